@@ -1,0 +1,36 @@
+# Two commands set everything up: `make demo` and `make test`. Each builds its virtual
+# environment when it is missing or older than pyproject.toml, then runs.
+PYTHON ?= python3
+VENV := .venv
+# The oldest supported JAX runs on the oldest supported Python when this machine has it.
+OLDEST_VENV := .venv-oldest
+OLDEST_CONSTRAINTS := .ci/oldest.txt
+OLDEST_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python3.10; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null && { echo "$$p"; exit; }; done; \
+	echo $(PYTHON))
+PYTEST_ARGS ?=
+
+.PHONY: test test-oldest demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,demo]'
+	touch $@
+
+$(OLDEST_VENV)/.installed: pyproject.toml $(OLDEST_CONSTRAINTS)
+	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -c $(OLDEST_CONSTRAINTS) -e '.[test]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
+	$(OLDEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(OLDEST_VENV) .hypothesis

@@ -1,0 +1,342 @@
+"""Loss scaling: the one scaling core and its ``jmp``-style faces.
+
+Float16 gradients underflow unless the loss is multiplied by a large factor before
+differentiation and the gradients are divided by it afterwards. The rule that grows and shrinks
+that factor lives in :func:`next_loss_scale`; :class:`DynamicLossScale` here and the
+``DynamicScalerState`` of the scaler module both call it, so it is written once.
+
+Every field of every loss-scale object is a pytree leaf stored as an array, so the whole state
+survives ``jax.jit``, ``tree_flatten``/``tree_unflatten``, ``pickle`` and checkpoint libraries
+that save leaves only. (``jmp`` 0.0.4 kept ``min_loss_scale`` outside its leaves and lost it.)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from autocast._tree import is_floating_array, map_floating
+
+T = TypeVar("T")
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """The value of ``x`` when it is known at trace time, else None (a tracer)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _checked_scale(value: Any, name: str) -> jax.Array:
+    """``value`` as a float32 scalar, after checking it is a positive finite number."""
+    if isinstance(value, (bool, np.bool_)) or (
+        hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number)
+    ):
+        raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+    concrete = _concrete(value)
+    if concrete is not None:
+        if concrete.shape != ():
+            raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
+        if not np.isfinite(concrete) or concrete <= 0:
+            raise ValueError(f"{name} must be a positive finite number, got {concrete}")
+    return jnp.asarray(value, dtype=jnp.float32)
+
+
+def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+    # Multiply in at least float32 and cast back: the leaf keeps its dtype, and neither the
+    # factor nor its inverse is rounded to float16 (2**16 would overflow, 2**-25 would vanish).
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+
+
+def _check_finite_flag(grads_finite: Any) -> jax.Array:
+    flag = jnp.asarray(grads_finite)
+    if flag.dtype != jnp.bool_ or flag.shape != ():
+        raise TypeError(
+            "grads_finite must be a boolean scalar such as all_finite(grads), got "
+            f"{flag.dtype} with shape {flag.shape}"
+        )
+    return flag
+
+
+class LossScaleUpdate(NamedTuple):
+    """The outcome of one step of the dynamic rule (see :func:`next_loss_scale`)."""
+
+    loss_scale: jax.Array
+    counter: jax.Array
+
+
+def next_loss_scale(
+    grads_finite: jax.Array,
+    loss_scale: jax.Array,
+    counter: jax.Array,
+    period: jax.Array,
+    factor: jax.Array,
+    min_loss_scale: jax.Array,
+) -> LossScaleUpdate:
+    """The dynamic loss-scaling rule, written once for every face of the library.
+
+    Finite gradients add one to ``counter``; when it reaches ``period`` the scale is multiplied
+    by ``factor`` (unless that overflows float32) and the counter resets. Non-finite gradients
+    divide the scale by ``factor``, never below ``min_loss_scale``, and reset the counter. All
+    arguments may be traced: no value leaves the device.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.next_loss_scale(jnp.bool_(False), jnp.float32(1024.), jnp.int32(5),
+    ...                          jnp.int32(2000), jnp.float32(2.), jnp.float32(1.))
+    LossScaleUpdate(loss_scale=Array(512., dtype=float32), counter=Array(0, dtype=int32))
+    """
+    counted = counter + 1
+    grow = counted >= period
+    grown = loss_scale * factor
+    grown = jnp.where(jnp.isfinite(grown), grown, loss_scale)
+    shrunk = jnp.maximum(loss_scale / factor, min_loss_scale)
+    new_scale = jnp.where(grads_finite, jnp.where(grow, grown, loss_scale), shrunk)
+    new_counter = jnp.where(grads_finite & ~grow, counted, jnp.zeros_like(counter))
+    return LossScaleUpdate(new_scale.astype(loss_scale.dtype), new_counter.astype(counter.dtype))
+
+
+def _register(cls: type) -> type:
+    """Registers a loss-scale class as a pytree whose leaves are all of its fields.
+
+    Unflattening bypasses ``__init__``: JAX rebuilds pytrees with tracers or placeholder
+    objects as leaves, which the constructor's checks must never see.
+    """
+    fields = cls._fields
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], None]:
+        return [(jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in fields], None
+
+    def flatten(obj: Any) -> tuple[list[Any], None]:
+        return [getattr(obj, f) for f in fields], None
+
+    def unflatten(_: None, leaves: Any) -> Any:
+        obj = object.__new__(cls)
+        for f, leaf in zip(fields, leaves):
+            object.__setattr__(obj, f, leaf)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+class _LossScaleBase:
+    """Shared behaviour: immutability, a readable repr, pickling and scaling by ``loss_scale``."""
+
+    _fields: tuple[str, ...] = ()
+    loss_scale: jax.Array
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable; adjust() returns a new one")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self._fields}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for f in self._fields:
+            object.__setattr__(self, f, state[f])
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._fields)
+        return f"{type(self).__name__}({args})"
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating-point leaves of ``tree`` by the loss scale, keeping dtypes."""
+        return map_floating(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating-point leaves of ``tree`` by the loss scale, keeping dtypes."""
+        inverse = 1.0 / self.loss_scale
+        return map_floating(lambda x: _scale_leaf(x, inverse), tree)
+
+
+@_register
+class NoOpLossScale(_LossScaleBase):
+    """A loss scale that does nothing, for bfloat16 and float32 training.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> ls = autocast.NoOpLossScale()
+    >>> ls.scale(jnp.float32(3.0)), ls.adjust(jnp.bool_(False)) is ls
+    (Array(3., dtype=float32), True)
+    """
+
+    _fields = ()
+
+    @property
+    def loss_scale(self) -> jax.Array:  # type: ignore[override]
+        """Always 1."""
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: T) -> T:
+        """Returns ``tree`` unchanged."""
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        """Returns ``tree`` unchanged."""
+        return tree
+
+    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+        """Returns ``self``: nothing to adjust."""
+        _check_finite_flag(grads_finite)
+        return self
+
+
+@_register
+class StaticLossScale(_LossScaleBase):
+    """Scales and unscales by a fixed positive factor.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> ls = autocast.StaticLossScale(128.0)
+    >>> ls.scale(jnp.float16(0.5))
+    Array(64., dtype=float16)
+    >>> ls.unscale(jnp.float16(64.0))
+    Array(0.5, dtype=float16)
+    """
+
+    _fields = ("loss_scale",)
+
+    def __init__(self, loss_scale: Any) -> None:
+        object.__setattr__(self, "loss_scale", _checked_scale(loss_scale, "loss_scale"))
+
+    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+        """Returns ``self``: a static scale never changes."""
+        _check_finite_flag(grads_finite)
+        return self
+
+
+@_register
+class DynamicLossScale(_LossScaleBase):
+    """A loss scale that grows while gradients stay finite and shrinks when they do not.
+
+    Every ``period`` consecutive finite steps multiply the scale by ``factor``; a step with
+    non-finite gradients divides it by ``factor`` (never below ``min_loss_scale``) and restarts
+    the count. The scale is kept in float32 whatever dtype it is given in, and every field is a
+    pytree leaf, so the state passes through ``jax.jit``, ``pickle`` and checkpoints whole.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> ls = autocast.DynamicLossScale(2.0**15, period=2)
+    >>> grads = ls.unscale(ls.scale({"w": jnp.ones(2, jnp.float16)}))
+    >>> ls = ls.adjust(autocast.all_finite(grads)).adjust(jnp.bool_(True))
+    >>> ls.loss_scale, ls.counter
+    (Array(65536., dtype=float32), Array(0, dtype=int32))
+    >>> ls.adjust(jnp.bool_(False)).loss_scale
+    Array(32768., dtype=float32)
+    """
+
+    _fields = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
+    counter: jax.Array
+    period: jax.Array
+    factor: jax.Array
+    min_loss_scale: jax.Array
+
+    def __init__(
+        self,
+        loss_scale: Any,
+        counter: Any = 0,
+        period: Any = 2000,
+        factor: Any = 2,
+        min_loss_scale: Any = 1.0,
+    ) -> None:
+        loss_scale = _checked_scale(loss_scale, "loss_scale")
+        min_loss_scale = _checked_scale(min_loss_scale, "min_loss_scale")
+        factor = _checked_scale(factor, "factor")
+        period = _checked_count(period, "period", minimum=1)
+        counter = _checked_count(counter, "counter", minimum=0)
+        f, lo, hi = _concrete(factor), _concrete(min_loss_scale), _concrete(loss_scale)
+        if f is not None and f <= 1:
+            raise ValueError(f"factor must be greater than 1, got {f}")
+        if lo is not None and hi is not None and hi < lo:
+            raise ValueError(f"loss_scale ({hi}) is below min_loss_scale ({lo})")
+        for name, value in zip(self._fields, (loss_scale, counter, period, factor, min_loss_scale)):
+            object.__setattr__(self, name, value)
+
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+        """The next state, given whether this step's gradients were all finite.
+
+        Runs on device and may be traced; ``grads_finite`` is a boolean scalar such as
+        :func:`all_finite` returns.
+        """
+        update = next_loss_scale(
+            _check_finite_flag(grads_finite),
+            self.loss_scale,
+            self.counter,
+            self.period,
+            self.factor,
+            self.min_loss_scale,
+        )
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(self),
+            [update.loss_scale, update.counter, self.period, self.factor, self.min_loss_scale],
+        )
+
+
+def _checked_count(value: Any, name: str, *, minimum: int) -> jax.Array:
+    if isinstance(value, (bool, np.bool_)) or (
+        hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.integer)
+    ) or isinstance(value, float):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    concrete = _concrete(value)
+    if concrete is not None:
+        if concrete.shape != ():
+            raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
+        if concrete < minimum:
+            raise ValueError(f"{name} must be at least {minimum}, got {concrete}")
+    return jnp.asarray(value, dtype=jnp.int32)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """One boolean scalar: are all floating-point leaves of ``tree`` free of inf and NaN?
+
+    Computed on device with no host synchronisation; integer, boolean and non-array leaves are
+    ignored, and an empty tree is finite.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
+    Array(False, dtype=bool)
+    >>> autocast.all_finite({})
+    Array(True, dtype=bool)
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x)]
+    if not leaves:
+        return jnp.array(True)
+    return functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in leaves])
+
+
+def select_tree(pred: Any, a: T, b: T) -> T:
+    """Leaf by leaf, ``a`` where the boolean scalar ``pred`` holds, else ``b``.
+
+    Array leaves must agree in dtype and shape (nothing is promoted); other leaves must be
+    equal in both trees and pass through. Works under ``jax.jit`` with a traced ``pred``.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+    {'w': Array([0., 0.], dtype=float32)}
+    """
+    pred = jnp.asarray(pred)
+    if pred.dtype != jnp.bool_ or pred.shape != ():
+        raise TypeError(f"pred must be a boolean scalar, got {pred.dtype} with shape {pred.shape}")
+
+    def select(path: Any, x: Any, y: Any) -> Any:
+        where = jax.tree_util.keystr(path) or "the root"
+        if isinstance(x, (jax.Array, np.ndarray)) or isinstance(y, (jax.Array, np.ndarray)):
+            x, y = jnp.asarray(x), jnp.asarray(y)
+            if x.dtype != y.dtype or x.shape != y.shape:
+                raise TypeError(
+                    f"select_tree: leaves at {where} differ: {x.dtype}{list(x.shape)} vs "
+                    f"{y.dtype}{list(y.shape)}; both trees need the same dtypes and shapes"
+                )
+            return lax.select(jnp.broadcast_to(pred, x.shape), x, y)
+        if x is not y and x != y:
+            raise TypeError(
+                f"select_tree: non-array leaves at {where} differ ({x!r} vs {y!r}); "
+                "only array leaves can be selected"
+            )
+        return x
+
+    return jax.tree_util.tree_map_with_path(select, a, b)

@@ -1,0 +1,270 @@
+"""Precision policies: the dtypes that parameters, computation and outputs use.
+
+A :class:`Policy` says which dtype the parameters are stored in, which dtype the computation
+runs in and which dtype the outputs are returned in. :func:`get_policy` reads the short string
+form (``"p=f32,c=bf16"``) that ``jmp`` made familiar. All casting helpers touch only the
+floating-point array leaves of a pytree: integer, boolean and non-array leaves pass through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autocast._tree import map_floating
+
+T = TypeVar("T")
+
+# Every spelling parse_dtype understands, and the canonical short name str(Policy) prints.
+_DTYPE_ALIASES: dict[str, np.dtype] = {
+    "f32": np.dtype(jnp.float32),
+    "float32": np.dtype(jnp.float32),
+    "full": np.dtype(jnp.float32),
+    "f16": np.dtype(jnp.float16),
+    "float16": np.dtype(jnp.float16),
+    "half": np.dtype(jnp.float16),
+    "bf16": np.dtype(jnp.bfloat16),
+    "bfloat16": np.dtype(jnp.bfloat16),
+    "f64": np.dtype(jnp.float64),
+    "float64": np.dtype(jnp.float64),
+}
+_SHORT_NAMES: dict[np.dtype, str] = {
+    np.dtype(jnp.float32): "f32",
+    np.dtype(jnp.float16): "f16",
+    np.dtype(jnp.bfloat16): "bf16",
+    np.dtype(jnp.float64): "f64",
+}
+_POLICY_KEYS: dict[str, str] = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
+_SHORT_KEYS = {"param_dtype": "p", "compute_dtype": "c", "output_dtype": "o"}
+
+
+def _accepted_dtype_names() -> str:
+    return ", ".join(_DTYPE_ALIASES)
+
+
+def canonicalize_float_dtype(dtype: Any, *, what: str = "dtype") -> np.dtype:
+    """Turns anything ``jnp.dtype`` understands into a NumPy dtype, insisting it is floating.
+
+    Strings go through :func:`parse_dtype`, so ``"bf16"`` works wherever a dtype is asked for.
+    """
+    if isinstance(dtype, str):
+        return parse_dtype(dtype)
+    try:
+        result = np.dtype(jnp.dtype(dtype))
+    except TypeError as e:
+        raise TypeError(
+            f"{what} must be a floating-point dtype such as jnp.bfloat16 or 'bf16', got {dtype!r}"
+        ) from e
+    if not jnp.issubdtype(result, jnp.floating):
+        raise TypeError(
+            f"{what} must be a floating-point dtype (float16, bfloat16, float32, float64, ...), "
+            f"got {result.name}"
+        )
+    return result
+
+
+def parse_dtype(value: str) -> np.dtype:
+    """Parses a dtype name such as ``"bf16"``, ``"float32"`` or ``"half"`` into a NumPy dtype.
+
+    Accepted names: ``f32``/``float32``/``full``, ``f16``/``float16``/``half``,
+    ``bf16``/``bfloat16`` and ``f64``/``float64``, plus the NumPy name of any other floating
+    dtype (``"float8_e4m3fn"``). Case and surrounding whitespace are ignored. Note that
+    ``"half"`` is IEEE float16; :func:`half_dtype` is the backend's preferred 16-bit type.
+
+    >>> import autocast
+    >>> autocast.parse_dtype("bf16")
+    dtype(bfloat16)
+    >>> autocast.parse_dtype(" Float32 ")
+    dtype('float32')
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"parse_dtype expects a string such as 'bf16', got {type(value).__name__}")
+    name = value.strip().lower()
+    if not name:
+        raise ValueError(f"empty dtype name; accepted names: {_accepted_dtype_names()}")
+    if name in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[name]
+    try:
+        dtype = np.dtype(jnp.dtype(name))
+    except TypeError:
+        raise ValueError(
+            f"unknown dtype {value!r}; accepted names: {_accepted_dtype_names()} "
+            "(or the NumPy name of another floating dtype)"
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"dtype {value!r} is not floating-point; accepted names: {_accepted_dtype_names()}"
+        )
+    return dtype
+
+
+def _half_dtype_for(device: Any) -> np.dtype:
+    # float16 only where bfloat16 arithmetic is missing: NVIDIA GPUs before Ampere (sm_80).
+    capability = getattr(device, "compute_capability", None)
+    if device.platform in ("gpu", "cuda") and capability is not None:
+        major = int(str(capability).split(".")[0])
+        if major < 8:
+            return np.dtype(jnp.float16)
+    return np.dtype(jnp.bfloat16)
+
+
+def half_dtype() -> np.dtype:
+    """The 16-bit float the default backend runs fastest: bfloat16, or float16 on old GPUs.
+
+    bfloat16 on TPU, CPU and GPUs that have bfloat16 arithmetic (NVIDIA Ampere and newer, AMD);
+    float16 on NVIDIA GPUs older than Ampere.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.half_dtype() in (jnp.bfloat16, jnp.float16)
+    True
+    """
+    return _half_dtype_for(jax.devices()[0])
+
+
+def cast_tree(dtype: Any, tree: T) -> T:
+    """Casts every floating-point array leaf of ``tree`` to ``dtype``; other leaves pass through.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> out = autocast.cast_tree(jnp.bfloat16, {"w": jnp.ones(2), "step": jnp.int32(3), "name": "x"})
+    >>> out["w"].dtype, out["step"].dtype, out["name"]
+    (dtype(bfloat16), dtype('int32'), 'x')
+    """
+    dtype = canonicalize_float_dtype(dtype)
+    return map_floating(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts the floating-point leaves of ``tree`` to float32.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.cast_to_full(jnp.ones(2, jnp.bfloat16)).dtype
+    dtype('float32')
+    """
+    return cast_tree(jnp.float32, tree)
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts the floating-point leaves of ``tree`` to :func:`half_dtype`.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.cast_to_half(jnp.ones(2)).dtype == autocast.half_dtype()
+    True
+    """
+    return cast_tree(half_dtype(), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtypes parameters, computation and outputs use.
+
+    Frozen and hashable, so it can be a static argument of ``jax.jit``. Any floating dtype
+    spelling is accepted (``jnp.bfloat16``, ``"bf16"``, ``np.float32``); fields hold NumPy
+    dtypes. ``str(policy)`` prints the form :func:`get_policy` reads back.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> policy = autocast.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> str(policy)
+    'p=f32,c=bf16,o=f32'
+    >>> policy.cast_to_compute({"w": jnp.ones(3), "n": 2})["w"].dtype
+    dtype(bfloat16)
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = canonicalize_float_dtype(getattr(self, field.name), what=field.name)
+            object.__setattr__(self, field.name, value)
+
+    def cast_to_param(self, x: T) -> T:
+        """Casts the floating-point leaves of ``x`` to ``param_dtype``."""
+        return cast_tree(self.param_dtype, x)
+
+    def cast_to_compute(self, x: T) -> T:
+        """Casts the floating-point leaves of ``x`` to ``compute_dtype``."""
+        return cast_tree(self.compute_dtype, x)
+
+    def cast_to_output(self, x: T) -> T:
+        """Casts the floating-point leaves of ``x`` to ``output_dtype``."""
+        return cast_tree(self.output_dtype, x)
+
+    def with_param_dtype(self, dtype: Any) -> Policy:
+        """A copy with another ``param_dtype``."""
+        return dataclasses.replace(self, param_dtype=dtype)
+
+    def with_compute_dtype(self, dtype: Any) -> Policy:
+        """A copy with another ``compute_dtype``."""
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_output_dtype(self, dtype: Any) -> Policy:
+        """A copy with another ``output_dtype``."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    def __str__(self) -> str:
+        return ",".join(
+            f"{_SHORT_KEYS[f.name]}={_SHORT_NAMES.get(getattr(self, f.name), getattr(self, f.name).name)}"
+            for f in dataclasses.fields(self)
+        )
+
+
+def get_policy(policy_name: str | Policy) -> Policy:
+    """Reads a policy from its short string form, ``jmp``'s loose grammar.
+
+    Comma-separated ``key=value`` pairs. Keys: ``p``/``params``, ``c``/``compute``,
+    ``o``/``output``. Values: any name :func:`parse_dtype` accepts. Unnamed fields default as
+    in ``jmp``: params to float32, compute to the params dtype, output to the compute dtype.
+    Case and whitespace are ignored. A :class:`Policy` is returned unchanged.
+
+    >>> import autocast
+    >>> str(autocast.get_policy("c=f16"))
+    'p=f32,c=f16,o=f16'
+    >>> str(autocast.get_policy("params=float32, compute=bfloat16, output=float32"))
+    'p=f32,c=bf16,o=f32'
+    """
+    if isinstance(policy_name, Policy):
+        return policy_name
+    if not isinstance(policy_name, str):
+        raise TypeError(
+            "get_policy expects a string such as 'p=f32,c=bf16,o=f32' or a Policy, "
+            f"got {type(policy_name).__name__}"
+        )
+    if not policy_name.strip():
+        raise ValueError("empty policy string; expected pairs such as 'p=f32,c=bf16,o=f32'")
+    accepted_keys = ", ".join(_POLICY_KEYS)
+    chosen: dict[str, np.dtype] = {}
+    for part in policy_name.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or not key or not value.strip():
+            raise ValueError(
+                f"malformed part {part.strip()!r} of policy {policy_name!r}; expected key=dtype "
+                f"with a key among {accepted_keys}"
+            )
+        if key not in _POLICY_KEYS:
+            raise ValueError(
+                f"unknown key {key!r} in policy {policy_name!r}; accepted keys: {accepted_keys}"
+            )
+        field = _POLICY_KEYS[key]
+        if field in chosen:
+            raise ValueError(f"policy {policy_name!r} sets {field} twice")
+        try:
+            chosen[field] = parse_dtype(value)
+        except ValueError as e:
+            raise ValueError(f"in policy {policy_name!r}, key {key!r}: {e}") from None
+    param = chosen.get("param_dtype", np.dtype(jnp.float32))
+    compute = chosen.get("compute_dtype", param)
+    output = chosen.get("output_dtype", compute)
+    return Policy(param, compute, output)
