@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from autocast._tree import is_floating_array, map_floating
+from autocast._tree import map_floating
 
 T = TypeVar("T")
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
 def _concrete(x: Any) -> np.ndarray | None:
@@ -34,8 +35,8 @@ def _concrete(x: Any) -> np.ndarray | None:
 
 
 def _checked_scale(value: Any, name: str) -> jax.Array:
-    """``value`` as a float32 scalar, after checking it is a positive finite number."""
-    if isinstance(value, (bool, np.bool_)) or (
+    """``value`` as a float32 scalar, after checking it is a positive finite number there."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or (
         hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number)
     ):
         raise TypeError(f"{name} must be a positive finite number, got {value!r}")
@@ -43,8 +44,15 @@ def _checked_scale(value: Any, name: str) -> jax.Array:
     if concrete is not None:
         if concrete.shape != ():
             raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
-        if not np.isfinite(concrete) or concrete <= 0:
-            raise ValueError(f"{name} must be a positive finite number, got {concrete}")
+        if not jnp.issubdtype(concrete.dtype, jnp.number):
+            raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+        # Checked after the cast, so 1e39 (inf in float32) and 1e-46 (0) are refused too.
+        with np.errstate(over="ignore", under="ignore"):
+            as_f32 = np.asarray(concrete, np.float32)
+        if not np.isfinite(as_f32) or as_f32 <= 0:
+            raise ValueError(
+                f"{name} must be a positive finite number (in float32), got {concrete}"
+            )
     return jnp.asarray(value, dtype=jnp.float32)
 
 
@@ -134,6 +142,9 @@ class _LossScaleBase:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable; adjust() returns a new one")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __getstate__(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self._fields}
@@ -277,24 +288,28 @@ class DynamicLossScale(_LossScaleBase):
 
 
 def _checked_count(value: Any, name: str, *, minimum: int) -> jax.Array:
-    if isinstance(value, (bool, np.bool_)) or (
+    if isinstance(value, (bool, np.bool_, float, str, bytes)) or (
         hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.integer)
-    ) or isinstance(value, float):
+    ):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     concrete = _concrete(value)
     if concrete is not None:
         if concrete.shape != ():
             raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
+        if not np.issubdtype(concrete.dtype, np.integer):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
         if concrete < minimum:
             raise ValueError(f"{name} must be at least {minimum}, got {concrete}")
+        if concrete > np.iinfo(np.int32).max:
+            raise ValueError(f"{name} must fit in int32, got {concrete}")
     return jnp.asarray(value, dtype=jnp.int32)
 
 
 def all_finite(tree: Any) -> jax.Array:
     """One boolean scalar: are all floating-point leaves of ``tree`` free of inf and NaN?
 
-    Computed on device with no host synchronisation; integer, boolean and non-array leaves are
-    ignored, and an empty tree is finite.
+    Computed on device with no host synchronisation. Complex leaves count (both parts must be
+    finite); integer, boolean and non-array leaves are ignored, and an empty tree is finite.
 
     >>> import autocast, jax.numpy as jnp
     >>> autocast.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
@@ -302,7 +317,11 @@ def all_finite(tree: Any) -> jax.Array:
     >>> autocast.all_finite({})
     Array(True, dtype=bool)
     """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x)]
+    leaves = [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if isinstance(x, _ARRAYS) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
     if not leaves:
         return jnp.array(True)
     return functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in leaves])
@@ -324,7 +343,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 
     def select(path: Any, x: Any, y: Any) -> Any:
         where = jax.tree_util.keystr(path) or "the root"
-        if isinstance(x, (jax.Array, np.ndarray)) or isinstance(y, (jax.Array, np.ndarray)):
+        if isinstance(x, _ARRAYS) or isinstance(y, _ARRAYS):
             x, y = jnp.asarray(x), jnp.asarray(y)
             if x.dtype != y.dtype or x.shape != y.shape:
                 raise TypeError(

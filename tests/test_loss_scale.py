@@ -1,0 +1,881 @@
+"""Tests for the loss-scale objects (SPEC section 2): ``autocast.loss_scale``.
+
+Covers the dynamic rule (hand-written transitions and a property test against a plain-Python
+model), the ``jmp`` 0.0.4 bugs this project fixes, scale/unscale values and dtypes,
+``all_finite``, ``select_tree``, input validation, construction under ``jax.jit`` and
+immutability.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import pickle
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import autocast
+
+DYNAMIC_FIELDS = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
+FIELD_DTYPES = {
+    "loss_scale": jnp.float32,
+    "counter": jnp.int32,
+    "period": jnp.int32,
+    "factor": jnp.float32,
+    "min_loss_scale": jnp.float32,
+}
+F32_MAX = float(np.finfo(np.float32).max)
+T = jnp.bool_(True)
+F = jnp.bool_(False)
+
+
+def _state(ls):
+    """(loss_scale, counter) of a DynamicLossScale as Python numbers."""
+    return float(ls.loss_scale), int(ls.counter)
+
+
+def _assert_fields(ls, **expected):
+    """Every listed field has the expected value and the float32/int32 storage dtype."""
+    for name, value in expected.items():
+        leaf = getattr(ls, name)
+        assert jnp.asarray(leaf).dtype == FIELD_DTYPES[name], name
+        assert jnp.asarray(leaf).shape == (), name
+        assert float(leaf) == value, (name, float(leaf), value)
+
+
+def _assert_same_dynamic(a, b):
+    assert type(a) is type(b) is autocast.DynamicLossScale
+    for name in DYNAMIC_FIELDS:
+        x, y = np.asarray(getattr(a, name)), np.asarray(getattr(b, name))
+        assert x.dtype == y.dtype, name
+        assert x.shape == y.shape == (), name
+        assert x == y, (name, x, y)
+
+
+def _sample_dynamic():
+    # Every field differs from its default, so a field silently reset to its default shows.
+    return autocast.DynamicLossScale(
+        jnp.float32(2.0**12), counter=3, period=7, factor=4.0, min_loss_scale=16.0
+    )
+
+
+@contextlib.contextmanager
+def _x64():
+    """64-bit mode for the duration of the block, on every supported JAX."""
+    if callable(getattr(jax, "enable_x64", None)):
+        with jax.enable_x64(True):
+            yield
+    else:  # JAX < 0.7
+        from jax.experimental import enable_x64
+
+        with enable_x64():
+            yield
+
+
+# --------------------------------------------------------------------------------------------
+# 1. The dynamic rule, step by step.
+# --------------------------------------------------------------------------------------------
+
+
+def test_finite_steps_count_then_grow_at_period():
+    ls = autocast.DynamicLossScale(1024.0, period=3, factor=2)
+    ls = ls.adjust(T)
+    assert _state(ls) == (1024.0, 1)
+    ls = ls.adjust(T)
+    assert _state(ls) == (1024.0, 2)
+    ls = ls.adjust(T)  # the third consecutive finite step: grow, reset
+    assert _state(ls) == (2048.0, 0)
+    ls = ls.adjust(T)
+    assert _state(ls) == (2048.0, 1)
+    _assert_fields(ls, period=3, factor=2.0, min_loss_scale=1.0)
+
+
+def test_period_one_grows_every_finite_step():
+    ls = autocast.DynamicLossScale(2.0, period=1, factor=3)
+    for expected in (6.0, 18.0, 54.0):
+        ls = ls.adjust(T)
+        assert _state(ls) == (expected, 0)
+
+
+def test_non_finite_step_shrinks_and_resets_counter():
+    ls = autocast.DynamicLossScale(1024.0, counter=2, period=3, factor=4)
+    ls = ls.adjust(F)
+    assert _state(ls) == (256.0, 0)
+    # The count starts again from zero: two finite steps are not enough to grow.
+    ls = ls.adjust(T).adjust(T)
+    assert _state(ls) == (256.0, 2)
+    ls = ls.adjust(T)
+    assert _state(ls) == (1024.0, 0)
+
+
+def test_shrink_is_floored_at_min_loss_scale():
+    ls = autocast.DynamicLossScale(24.0, counter=1, factor=4, min_loss_scale=8.0)
+    ls = ls.adjust(F)  # 24 / 4 = 6 < 8
+    assert _state(ls) == (8.0, 0)
+    ls = ls.adjust(F)  # stays on the floor
+    assert _state(ls) == (8.0, 0)
+    _assert_fields(ls, min_loss_scale=8.0, factor=4.0)
+
+
+def test_default_floor_is_one():
+    ls = autocast.DynamicLossScale(1.0)
+    assert _state(ls.adjust(F)) == (1.0, 0)
+
+
+def test_growth_that_would_overflow_float32_keeps_the_scale():
+    ls = autocast.DynamicLossScale(2.0**127, counter=0, period=1, factor=2)
+    nxt = ls.adjust(T)
+    assert _state(nxt) == (2.0**127, 0)
+    big = autocast.DynamicLossScale(F32_MAX, period=2, factor=1.5, counter=1)
+    nxt = big.adjust(T)
+    assert math.isfinite(float(nxt.loss_scale))
+    assert _state(nxt) == (F32_MAX, 0)
+
+
+def test_defaults():
+    ls = autocast.DynamicLossScale(2.0**15)
+    _assert_fields(ls, loss_scale=2.0**15, counter=0, period=2000, factor=2.0, min_loss_scale=1.0)
+
+
+def test_adjust_returns_a_new_object_and_leaves_the_old_one_alone():
+    ls = autocast.DynamicLossScale(8.0, period=1)
+    nxt = ls.adjust(T)
+    assert nxt is not ls
+    assert type(nxt) is autocast.DynamicLossScale
+    assert _state(ls) == (8.0, 0)
+    assert _state(nxt) == (16.0, 0)
+
+
+def test_adjust_accepts_python_and_numpy_bools():
+    ls = autocast.DynamicLossScale(8.0, period=1)
+    assert _state(ls.adjust(True)) == (16.0, 0)
+    assert _state(ls.adjust(np.bool_(False))) == (4.0, 0)
+
+
+def test_next_loss_scale_is_the_same_rule():
+    up = autocast.next_loss_scale(
+        jnp.bool_(True), jnp.float32(8.0), jnp.int32(1), jnp.int32(2), jnp.float32(2.0),
+        jnp.float32(1.0),
+    )
+    assert isinstance(up, autocast.LossScaleUpdate)
+    assert up.loss_scale.dtype == jnp.float32 and up.counter.dtype == jnp.int32
+    assert (float(up.loss_scale), int(up.counter)) == (16.0, 0)
+    up = autocast.next_loss_scale(
+        jnp.bool_(False), jnp.float32(8.0), jnp.int32(1), jnp.int32(2), jnp.float32(4.0),
+        jnp.float32(4.0),
+    )
+    assert (float(up.loss_scale), int(up.counter)) == (4.0, 0)
+
+
+def test_adjust_under_jit_and_scan():
+    @jax.jit
+    def step(ls, flag):
+        return ls.adjust(flag)
+
+    ls = autocast.DynamicLossScale(64.0, period=2, factor=2, min_loss_scale=32.0)
+    trail = []
+    for flag in (True, True, True, False, False, True):
+        ls = step(ls, jnp.bool_(flag))
+        trail.append(_state(ls))
+    assert trail == [(64.0, 1), (128.0, 0), (128.0, 1), (64.0, 0), (32.0, 0), (32.0, 1)]
+    _assert_fields(ls, period=2, factor=2.0, min_loss_scale=32.0)
+
+
+# The property test: DynamicLossScale.adjust against a plain-Python model of SPEC 2, one trace.
+
+N_STEPS = 40
+
+
+@jax.jit
+def _run_flags(ls, flags):
+    def body(carry, flag):
+        nxt = carry.adjust(flag)
+        return nxt, (nxt.loss_scale, nxt.counter)
+
+    return lax.scan(body, ls, flags)
+
+
+def _reference(flags, scale, counter, period, factor, floor):
+    """SPEC 2 in plain Python, with float32 arithmetic."""
+    scale, factor, floor = np.float32(scale), np.float32(factor), np.float32(floor)
+    trail = []
+    with np.errstate(over="ignore"):
+        for finite in flags:
+            if finite:
+                counter += 1
+                if counter >= period:
+                    grown = np.float32(scale * factor)
+                    if np.isfinite(grown):
+                        scale = grown
+                    counter = 0
+            else:
+                scale = max(np.float32(scale / factor), floor)
+                counter = 0
+            trail.append((float(scale), counter))
+    return trail
+
+
+@st.composite
+def _dynamic_setups(draw):
+    period = draw(st.integers(1, 6))
+    counter = draw(st.integers(0, period - 1))
+    factor = draw(
+        st.one_of(
+            st.sampled_from([2.0, 3.0, 4.0, 1.5, 1024.0]),
+            st.floats(1.0, 1024.0, exclude_min=True, width=32),
+        )
+    )
+    # Normal float32 values only, so no step lands on a denormal.
+    floor = draw(st.floats(2.0**-100, 2.0**100, width=32))
+    scale = draw(st.floats(floor, F32_MAX, width=32))
+    flags = draw(st.lists(st.booleans(), min_size=N_STEPS, max_size=N_STEPS))
+    return period, counter, factor, floor, scale, flags
+
+
+@settings(max_examples=50, deadline=None)
+@given(_dynamic_setups())
+def test_dynamic_rule_matches_reference_model(setup):
+    period, counter, factor, floor, scale, flags = setup
+    ls = autocast.DynamicLossScale(
+        scale, counter=counter, period=period, factor=factor, min_loss_scale=floor
+    )
+    final, (scales, counters) = _run_flags(ls, jnp.asarray(flags))
+    scales, counters = np.asarray(scales), np.asarray(counters)
+
+    expected = _reference(flags, scale, counter, period, factor, floor)
+    got = [(float(s), int(c)) for s, c in zip(scales, counters)]
+    assert got == expected
+
+    assert scales.dtype == np.float32 and counters.dtype == np.int32
+    assert np.all(np.isfinite(scales))
+    assert np.all(scales > 0)
+    assert np.all(scales >= np.float32(floor))
+    assert np.all((counters >= 0) & (counters < period))
+    _assert_fields(final, period=period, factor=factor, min_loss_scale=floor)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. The jmp 0.0.4 bugs this project fixes.
+# --------------------------------------------------------------------------------------------
+
+
+def test_jmp_bug_a_fields_survive_flatten_unflatten():
+    """jmp bug (a): DynamicLossScale kept period and factor as static aux data and dropped
+    min_loss_scale entirely in tree_flatten, so tree_unflatten reset it to 1.0."""
+    ls = _sample_dynamic()
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    assert len(leaves) == len(DYNAMIC_FIELDS)  # every field is a leaf, none is aux data
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ls)[0]]
+    assert all(any(name in p for p in paths) for name in DYNAMIC_FIELDS), paths
+    _assert_same_dynamic(jax.tree_util.tree_unflatten(treedef, leaves), ls)
+    # The floor is really used after a round trip, not the default 1.0.
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    for _ in range(5):  # 4096 / 4**4 = 16, then floored at 16 rather than 4
+        again = again.adjust(F)
+    assert _state(again) == (16.0, 0)
+
+
+def test_jmp_bug_a_fields_survive_jit():
+    """jmp bug (a): passing a DynamicLossScale through jax.jit lost min_loss_scale (jmp
+    rebuilt it with the default 1.0), so a jitted adjust shrank below the floor."""
+    ls = _sample_dynamic()
+    _assert_same_dynamic(jax.jit(lambda s: s)(ls), ls)
+    shrink = jax.jit(lambda s: s.adjust(jnp.bool_(False)))
+    # 4096 / 4 = 1024 -> 256 -> 64 -> 16 -> floored at 16, not 4.
+    s = ls
+    for expected in (1024.0, 256.0, 64.0, 16.0, 16.0):
+        s = shrink(s)
+        assert _state(s) == (expected, 0)
+    _assert_fields(s, period=7, factor=4.0, min_loss_scale=16.0)
+    # period and factor are used inside jit: 4 more finite steps after counter=3 reach 7.
+    grow = jax.jit(lambda s: s.adjust(jnp.bool_(True)))
+    s = ls
+    for _ in range(4):
+        s = grow(s)
+    assert _state(s) == (2.0**14, 0)
+
+
+def test_jmp_bug_a_fields_survive_pickle():
+    """jmp bug (a): every field of every loss-scale object must survive pickle."""
+    ls = _sample_dynamic()
+    _assert_same_dynamic(pickle.loads(pickle.dumps(ls)), ls)
+    static = pickle.loads(pickle.dumps(autocast.StaticLossScale(256.0)))
+    assert type(static) is autocast.StaticLossScale
+    assert static.loss_scale.dtype == jnp.float32 and float(static.loss_scale) == 256.0
+    noop = pickle.loads(pickle.dumps(autocast.NoOpLossScale()))
+    assert type(noop) is autocast.NoOpLossScale
+    assert float(noop.loss_scale) == 1.0
+
+
+def test_jmp_bug_a_fields_survive_checkpoint_into_default_target():
+    """jmp bug (a): a checkpoint saves leaves only; restored into a freshly constructed,
+    default DynamicLossScale, jmp lost period, factor and min_loss_scale."""
+    ls = _sample_dynamic()
+
+    def as_state(obj):
+        return {
+            jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(obj)[0]
+        }
+
+    blob = flax.serialization.msgpack_serialize(flax.serialization.to_state_dict(as_state(ls)))
+
+    target = autocast.DynamicLossScale(1.0)  # every field at its default
+    target_state = as_state(target)
+    restored_state = flax.serialization.from_state_dict(
+        target_state, flax.serialization.msgpack_restore(blob)
+    )
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    restored = jax.tree_util.tree_unflatten(
+        treedef, [restored_state[jax.tree_util.keystr(p)] for p, _ in paths_and_leaves]
+    )
+    _assert_same_dynamic(restored, ls)
+    # And it behaves as the saved state, not as the default target.
+    for _ in range(5):
+        restored = restored.adjust(F)
+    assert _state(restored) == (16.0, 0)
+
+    # The same through flax's list-of-leaves path (to_bytes / from_bytes with a target).
+    leaves = flax.serialization.from_bytes(
+        jax.tree_util.tree_leaves(target),
+        flax.serialization.to_bytes(jax.tree_util.tree_leaves(ls)),
+    )
+    _assert_same_dynamic(jax.tree_util.tree_unflatten(treedef, leaves), ls)
+
+
+@pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16])
+def test_jmp_bug_b_half_precision_loss_scale_adjusts(half):
+    """jmp bug (b): a float16 loss_scale made adjust raise (lax.select between float32 and
+    float16). It must work, and the scale is stored in float32."""
+    ls = autocast.DynamicLossScale(half(1024.0), period=1, min_loss_scale=half(2.0))
+    _assert_fields(ls, loss_scale=1024.0, min_loss_scale=2.0)
+    _assert_fields(ls.adjust(T), loss_scale=2048.0, counter=0)
+    _assert_fields(ls.adjust(F), loss_scale=512.0, counter=0)
+    _assert_fields(jax.jit(lambda s: s.adjust(F))(ls), loss_scale=512.0)
+    static = autocast.StaticLossScale(half(8.0))
+    assert static.loss_scale.dtype == jnp.float32 and float(static.loss_scale) == 8.0
+
+
+def test_jmp_bug_c_float16_scale_grows_past_float16_max():
+    """jmp bug (c): a float16 scale cannot pass 65504 (jmp got stuck at 32768 or overflowed
+    to inf). Kept in float32, it grows on and stays finite."""
+    ls = autocast.DynamicLossScale(jnp.float16(2.0**15), period=1, min_loss_scale=jnp.float16(1))
+    ls = ls.adjust(T)
+    assert _state(ls) == (2.0**16, 0)
+    ls = ls.adjust(T)
+    assert _state(ls) == (2.0**17, 0)
+    assert ls.loss_scale.dtype == jnp.float32
+    odd = autocast.DynamicLossScale(jnp.float16(40000.0), period=1).adjust(T)
+    assert _state(odd) == (80000.0, 0)
+    # Scaling a float16 leaf by 2**16 does not round the scale itself to float16 (inf).
+    scaled = ls.adjust(F).scale(jnp.float16(2.0**-10))  # 2**16 * 2**-10
+    assert scaled.dtype == jnp.float16 and float(scaled) == 64.0
+
+
+HALF_AND_FULL = [jnp.float16, jnp.bfloat16, jnp.float32]
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL)
+@pytest.mark.parametrize(
+    "ls",
+    [autocast.StaticLossScale(8.0), autocast.DynamicLossScale(8.0), autocast.NoOpLossScale()],
+    ids=["static", "dynamic", "noop"],
+)
+def test_jmp_bug_d_scale_and_unscale_keep_leaf_dtype(ls, dtype):
+    """jmp bug (d): scale/unscale multiplied by a float32 scale and promoted float16 and
+    bfloat16 leaves to float32. Each leaf must keep its dtype."""
+    tree = {"a": jnp.full((3,), 1.5, dtype), "b": [jnp.asarray(0.25, dtype)]}
+    factor = float(ls.loss_scale)
+    for out, mult in ((ls.scale(tree), factor), (ls.unscale(tree), 1 / factor)):
+        assert out["a"].dtype == dtype and out["b"][0].dtype == dtype
+        assert out["a"].shape == (3,) and out["b"][0].shape == ()
+        np.testing.assert_array_equal(np.asarray(out["a"], np.float32), 1.5 * mult)
+        assert float(out["b"][0]) == 0.25 * mult
+
+
+def test_jmp_bug_d_dtype_kept_under_jit():
+    """jmp bug (d), traced: the jitted scale/unscale keep float16 and bfloat16 dtypes."""
+    ls = autocast.DynamicLossScale(2.0**10)
+    tree = {"h": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.bfloat16)}
+    out = jax.jit(lambda s, t: (s.scale(t), s.unscale(t)))(ls, tree)
+    for part in out:
+        assert part["h"].dtype == jnp.float16 and part["b"].dtype == jnp.bfloat16
+    assert float(out[0]["h"][0]) == 1024.0 and float(out[1]["b"][0]) == 2.0**-10
+
+
+def test_jmp_bug_d_float64_leaves_keep_dtype():
+    """jmp bug (d), 64-bit: a float64 leaf stays float64 (and is not rounded to float32)."""
+    ls = autocast.StaticLossScale(4.0)
+    with _x64():
+        x = jnp.asarray([1.0 + 2.0**-40], jnp.float64)
+        assert x.dtype == jnp.float64
+        scaled, unscaled = ls.scale(x), ls.unscale(x)
+        assert scaled.dtype == jnp.float64 and unscaled.dtype == jnp.float64
+        assert float(scaled[0]) == 4.0 + 2.0**-38  # needs float64 precision
+        assert float(unscaled[0]) == 0.25 + 2.0**-42
+        npx = np.asarray([3.0], np.float64)
+        assert ls.scale(npx).dtype == np.float64
+
+
+def test_jmp_bug_d_numpy_half_leaves_keep_dtype():
+    """jmp bug (d), NumPy leaves: a NumPy float16 array keeps float16."""
+    out = autocast.StaticLossScale(2.0).scale({"n": np.ones(2, np.float16)})
+    assert out["n"].dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(out["n"]), [2.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    "ls",
+    [autocast.StaticLossScale(8.0), autocast.DynamicLossScale(8.0)],
+    ids=["static", "dynamic"],
+)
+def test_jmp_bug_d_non_float_leaves_pass_through_untouched(ls):
+    """jmp bug (d), other leaves: jmp multiplied integer and bool arrays by the scale (turning
+    them into float32) and failed on strings. They must pass through as the same objects."""
+    ints = jnp.arange(3, dtype=jnp.int32)
+    bools = jnp.array([True, False])
+    np_ints = np.arange(2, dtype=np.int64)
+    tree = {"i": ints, "b": bools, "n": np_ints, "s": "name", "p": 0.5, "k": 3, "none": None,
+            "f": jnp.ones(2, jnp.float16)}
+    for out in (ls.scale(tree), ls.unscale(tree)):
+        assert out["i"] is ints and out["b"] is bools and out["n"] is np_ints
+        assert out["s"] == "name" and out["none"] is None
+        assert out["p"] == 0.5 and type(out["p"]) is float  # Python floats are left alone
+        assert out["k"] == 3 and type(out["k"]) is int
+        assert out["f"].dtype == jnp.float16
+    assert float(ls.scale(tree)["f"][0]) == 8.0
+
+
+# --------------------------------------------------------------------------------------------
+# 3. scale / unscale values.
+# --------------------------------------------------------------------------------------------
+
+
+@jax.jit
+def _scale_roundtrip(ls, x):
+    scaled = ls.scale(x)
+    return scaled, ls.unscale(scaled)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    values=st.lists(
+        st.floats(2.0**-90, 2.0**90, width=32).flatmap(
+            lambda v: st.sampled_from([v, -v])
+        ),
+        min_size=8,
+        max_size=8,
+    ),
+    exponent=st.integers(-20, 30),
+)
+def test_unscale_inverts_scale_exactly_for_float32(values, exponent):
+    x = np.asarray(values, np.float32)
+    ls = autocast.StaticLossScale(2.0**exponent)
+    scaled, back = _scale_roundtrip(ls, jnp.asarray(x))
+    assert scaled.dtype == back.dtype == jnp.float32
+    # A power of two multiplies exactly (no overflow or denormals in this range).
+    np.testing.assert_array_equal(np.asarray(scaled), x * np.float32(2.0**exponent))
+    np.testing.assert_array_equal(np.asarray(back), x)
+
+
+def test_scale_multiplies_by_power_of_two_exactly_in_float16():
+    x = jnp.asarray([0.1, -3.3, 1e-3, 7.0], jnp.float16)
+    out = autocast.DynamicLossScale(2.0**10).scale(x)
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(
+        np.asarray(out), (np.asarray(x).astype(np.float32) * 1024.0).astype(np.float16)
+    )
+
+
+@pytest.mark.parametrize(
+    "exponent, grad, expected",
+    [
+        (24, 2048.0, 2.0**-13),
+        (24, 4096.0, 2.0**-12),
+        (24, 3072.0, 3 * 2.0**-14),
+        (26, 32768.0, 2.0**-11),  # 2**-26 is 0 in float16: the inverse must not be rounded
+        (30, 65504.0, 65504.0 * 2.0**-30),
+    ],
+)
+def test_unscale_float16_by_large_scale_does_not_flush(exponent, grad, expected):
+    ls = autocast.DynamicLossScale(2.0**exponent)
+    out = ls.unscale({"g": jnp.asarray([grad], jnp.float16)})["g"]
+    assert out.dtype == jnp.float16
+    assert float(out[0]) != 0.0
+    assert float(out[0]) == float(np.float16(expected))
+
+
+def test_unscale_by_non_power_of_two_is_close():
+    x = jnp.asarray([3.0, -6.0], jnp.float32)
+    out = autocast.StaticLossScale(3.0).unscale(x)
+    np.testing.assert_allclose(np.asarray(out), [1.0, -2.0], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. NoOpLossScale and StaticLossScale.
+# --------------------------------------------------------------------------------------------
+
+
+def test_noop_is_identity():
+    ls = autocast.NoOpLossScale()
+    tree = {"a": jnp.ones(2, jnp.float16), "b": 3.0}
+    assert ls.scale(tree) is tree and ls.unscale(tree) is tree
+    assert ls.adjust(F) is ls and ls.adjust(T) is ls
+    assert float(ls.loss_scale) == 1.0 and ls.loss_scale.dtype == jnp.float32
+
+
+def test_noop_pytree_round_trip():
+    ls = autocast.NoOpLossScale()
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    assert leaves == []
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert type(again) is autocast.NoOpLossScale
+    out = jax.jit(lambda s, x: (s, s.scale(x)))(ls, jnp.float32(2.0))
+    assert type(out[0]) is autocast.NoOpLossScale and float(out[1]) == 2.0
+
+
+def test_static_scales_by_fixed_factor():
+    ls = autocast.StaticLossScale(128.0)
+    assert ls.loss_scale.dtype == jnp.float32 and float(ls.loss_scale) == 128.0
+    assert float(ls.scale(jnp.float16(0.5))) == 64.0
+    assert float(ls.unscale(jnp.float16(64.0))) == 0.5
+    assert ls.adjust(F) is ls and ls.adjust(T) is ls
+    assert float(ls.adjust(F).loss_scale) == 128.0
+
+
+def test_static_pytree_round_trip():
+    ls = autocast.StaticLossScale(32.0)
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    assert len(leaves) == 1 and float(leaves[0]) == 32.0
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert type(again) is autocast.StaticLossScale and float(again.loss_scale) == 32.0
+    through = jax.jit(lambda s: s)(ls)
+    assert type(through) is autocast.StaticLossScale
+    assert through.loss_scale.dtype == jnp.float32 and float(through.loss_scale) == 32.0
+
+
+def test_repr_names_the_fields():
+    text = repr(_sample_dynamic())
+    assert text.startswith("DynamicLossScale(")
+    for name in DYNAMIC_FIELDS:
+        assert f"{name}=" in text
+
+
+# --------------------------------------------------------------------------------------------
+# 5. all_finite.
+# --------------------------------------------------------------------------------------------
+
+
+def test_all_finite_empty_tree_is_true():
+    for tree in ({}, [], (), None, {"a": []}):
+        out = autocast.all_finite(tree)
+        assert out.dtype == jnp.bool_ and out.shape == () and bool(out) is True
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("leaf", ["a", "m", "z"])
+def test_all_finite_false_on_any_non_finite_leaf(dtype, bad, leaf):
+    good = {"a": jnp.ones((2, 3), dtype), "m": [jnp.zeros(4, dtype)], "z": jnp.asarray(1.0, dtype)}
+    out = autocast.all_finite(good)
+    assert out.dtype == jnp.bool_ and out.shape == () and bool(out) is True
+    tree = dict(good)
+    if leaf == "a":
+        tree["a"] = good["a"].at[1, 2].set(bad)
+    elif leaf == "m":
+        tree["m"] = [good["m"][0].at[0].set(bad)]
+    else:
+        tree["z"] = jnp.asarray(bad, dtype)
+    out = autocast.all_finite(tree)
+    assert out.dtype == jnp.bool_ and out.shape == () and bool(out) is False
+
+
+def test_all_finite_ignores_non_float_leaves():
+    tree = {
+        "i": jnp.array([1, 2], jnp.int32),
+        "b": jnp.array([True]),
+        "n": None,
+        "s": "nan",
+        "p": float("inf"),  # a Python float is not an array leaf
+        "f": np.ones(2, np.float32),
+    }
+    assert bool(autocast.all_finite(tree)) is True
+    tree["f"] = np.array([1.0, np.nan], np.float32)  # NumPy float leaves are checked
+    assert bool(autocast.all_finite(tree)) is False
+
+
+def test_all_finite_under_jit():
+    fn = jax.jit(autocast.all_finite)
+    tree = {"a": jnp.ones(3, jnp.float16), "b": [jnp.ones(2, jnp.bfloat16)],
+            "i": jnp.arange(3)}
+    out = fn(tree)
+    assert out.dtype == jnp.bool_ and out.shape == () and bool(out) is True
+    tree["b"] = [jnp.array([1.0, np.inf], jnp.bfloat16)]
+    out = fn(tree)
+    assert out.dtype == jnp.bool_ and out.shape == () and bool(out) is False
+
+
+def test_all_finite_single_leaf():
+    assert bool(autocast.all_finite(jnp.float32(np.nan))) is False
+    assert bool(autocast.all_finite(jnp.float32(1.0))) is True
+
+
+# --------------------------------------------------------------------------------------------
+# 6. select_tree.
+# --------------------------------------------------------------------------------------------
+
+
+def test_select_tree_picks_leafwise_with_traced_pred():
+    a = {"w": jnp.ones((2, 2), jnp.float16), "i": jnp.array([1, 2])}
+    b = {"w": jnp.zeros((2, 2), jnp.float16), "i": jnp.array([3, 4])}
+
+    @jax.jit
+    def pick(pred, a, b):
+        # Equal non-array leaves (here added inside the trace) pass through.
+        out = autocast.select_tree(pred, dict(a, tag="x"), dict(b, tag="x"))
+        assert out["tag"] == "x"
+        del out["tag"]
+        return out
+
+    for pred, src in ((True, a), (False, b)):
+        out = pick(jnp.bool_(pred), a, b)
+        assert out["w"].dtype == jnp.float16
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(src["w"]))
+        np.testing.assert_array_equal(np.asarray(out["i"]), np.asarray(src["i"]))
+    # Eager, with equal non-array leaves passing through.
+    out = autocast.select_tree(jnp.bool_(False), dict(a, tag="x", lr=0.1), dict(b, tag="x", lr=0.1))
+    assert out["tag"] == "x" and out["lr"] == 0.1
+    np.testing.assert_array_equal(np.asarray(out["i"]), [3, 4])
+
+
+def test_select_tree_selects_loss_scale_state():
+    old, new = _sample_dynamic(), _sample_dynamic().adjust(F)
+    kept = jax.jit(autocast.select_tree)(jnp.bool_(False), new, old)
+    _assert_same_dynamic(kept, old)
+
+
+@pytest.mark.parametrize(
+    "pred",
+    [jnp.int32(1), 1, jnp.float32(1.0), jnp.array([True]), jnp.array([True, False])],
+    ids=["int-array", "python-int", "float", "shape-1", "shape-2"],
+)
+def test_select_tree_rejects_bad_pred(pred):
+    a = {"w": jnp.ones(2)}
+    with pytest.raises(TypeError, match="pred"):
+        autocast.select_tree(pred, a, a)
+
+
+def test_select_tree_rejects_dtype_mismatch_naming_the_leaf():
+    a = {"layer": {"w": jnp.ones(2, jnp.float32)}}
+    b = {"layer": {"w": jnp.ones(2, jnp.float16)}}
+    with pytest.raises(TypeError, match=r"\['layer'\]\['w'\]"):
+        autocast.select_tree(jnp.bool_(True), a, b)
+
+
+def test_select_tree_rejects_shape_mismatch_naming_the_leaf():
+    a = {"w": jnp.ones(2), "v": [jnp.ones(3)]}
+    b = {"w": jnp.ones(2), "v": [jnp.ones((3, 1))]}
+    with pytest.raises(TypeError, match=r"\['v'\]\[0\]"):
+        autocast.select_tree(jnp.bool_(True), a, b)
+
+
+def test_select_tree_rejects_differing_non_array_leaves():
+    a = {"w": jnp.ones(2), "name": "adam"}
+    b = {"w": jnp.ones(2), "name": "sgd"}
+    with pytest.raises(TypeError, match=r"\['name'\]"):
+        autocast.select_tree(jnp.bool_(True), a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Bad input.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(period=0), ValueError, r"^period must be at least 1"),
+        (dict(period=-3), ValueError, r"^period must be at least 1"),
+        (dict(period=2.0), TypeError, r"^period must be an integer"),
+        (dict(period=np.float32(2)), TypeError, r"^period must be an integer"),
+        (dict(period=True), TypeError, r"^period must be an integer"),
+        (dict(period=jnp.array([1, 2])), ValueError, r"^period must be a scalar"),
+        (dict(counter=-1), ValueError, r"^counter must be at least 0"),
+        (dict(factor=0), ValueError, r"^factor"),
+        (dict(factor=-2.0), ValueError, r"^factor"),
+        (dict(factor=1), ValueError, r"^factor must be greater than 1"),
+        (dict(factor=0.5), ValueError, r"^factor must be greater than 1"),
+        (dict(factor=float("inf")), ValueError, r"^factor"),
+        (dict(min_loss_scale=0.0), ValueError, r"^min_loss_scale"),
+        (dict(min_loss_scale=-1.0), ValueError, r"^min_loss_scale"),
+        (dict(min_loss_scale=float("nan")), ValueError, r"^min_loss_scale"),
+        (dict(loss_scale=0.5), ValueError, r"below min_loss_scale"),
+        (dict(loss_scale=4.0, min_loss_scale=8.0), ValueError, r"below min_loss_scale"),
+        (dict(loss_scale=0.0), ValueError, r"^loss_scale must be a positive finite"),
+        (dict(loss_scale=-4.0), ValueError, r"^loss_scale must be a positive finite"),
+        (dict(loss_scale=float("inf")), ValueError, r"^loss_scale must be a positive finite"),
+        (dict(loss_scale=float("nan")), ValueError, r"^loss_scale must be a positive finite"),
+        (dict(loss_scale=jnp.ones(2)), ValueError, r"^loss_scale must be a scalar"),
+        (dict(loss_scale=[2.0, 4.0]), ValueError, r"^loss_scale must be a scalar"),
+        (dict(loss_scale=True), TypeError, r"^loss_scale"),
+        (dict(loss_scale=jnp.bool_(True)), TypeError, r"^loss_scale"),
+    ],
+)
+def test_dynamic_rejects_bad_arguments(kwargs, error, pattern):
+    kwargs = dict(kwargs)
+    loss_scale = kwargs.pop("loss_scale", 1024.0)
+    with pytest.raises(error, match=pattern):
+        autocast.DynamicLossScale(loss_scale, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "value, error, pattern",
+    [
+        (0.0, ValueError, r"^loss_scale must be a positive finite"),
+        (-1.0, ValueError, r"^loss_scale must be a positive finite"),
+        (float("inf"), ValueError, r"^loss_scale must be a positive finite"),
+        (float("nan"), ValueError, r"^loss_scale must be a positive finite"),
+        (jnp.ones((1,)), ValueError, r"^loss_scale must be a scalar"),
+        (False, TypeError, r"^loss_scale"),
+    ],
+)
+def test_static_rejects_bad_loss_scale(value, error, pattern):
+    with pytest.raises(error, match=pattern):
+        autocast.StaticLossScale(value)
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [jnp.int32(1), 1, jnp.float32(1.0), jnp.array([True]), jnp.array([True, False])],
+    ids=["int-array", "python-int", "float", "shape-1", "shape-2"],
+)
+@pytest.mark.parametrize(
+    "ls",
+    [autocast.DynamicLossScale(8.0), autocast.StaticLossScale(8.0), autocast.NoOpLossScale()],
+    ids=["dynamic", "static", "noop"],
+)
+def test_adjust_rejects_non_bool_or_non_scalar_flag(ls, flag):
+    with pytest.raises(TypeError, match="grads_finite"):
+        ls.adjust(flag)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_scale_outside_float32_range_is_rejected_not_stored_as_inf_or_zero():
+    """SPEC 2: the scale "never becomes 0, inf or NaN". A finite Python (float64) value beyond
+    the float32 range must be rejected (or clamped), not silently stored as inf or 0."""
+    for kwargs in (
+        dict(loss_scale=1e39),
+        dict(loss_scale=1e-46, min_loss_scale=1e-46),
+    ):
+        try:
+            ls = autocast.DynamicLossScale(**kwargs)
+        except ValueError as err:
+            assert "loss_scale" in str(err)
+            continue
+        for name in ("loss_scale", "min_loss_scale"):
+            value = float(getattr(ls, name))
+            assert math.isfinite(value) and value > 0, (
+                f"DynamicLossScale({kwargs}) stored {name}={value}: the check runs on the "
+                "float64 value before it is cast to float32"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Construction inside jax.jit.
+# --------------------------------------------------------------------------------------------
+
+
+def test_dynamic_constructed_from_traced_arguments():
+    @jax.jit
+    def build(scale, counter, period, factor, floor):
+        ls = autocast.DynamicLossScale(scale, counter, period, factor, floor)
+        return ls, ls.adjust(jnp.bool_(True))
+
+    ls, nxt = build(jnp.float32(64.0), jnp.int32(2), jnp.int32(3), jnp.float32(2.0),
+                    jnp.float32(4.0))
+    _assert_fields(ls, loss_scale=64.0, counter=2, period=3, factor=2.0, min_loss_scale=4.0)
+    _assert_fields(nxt, loss_scale=128.0, counter=0)
+
+
+def test_dynamic_constructed_with_only_the_scale_traced():
+    build = jax.jit(lambda s: autocast.DynamicLossScale(s, period=5, min_loss_scale=2.0))
+    ls = build(jnp.float16(8.0))
+    _assert_fields(ls, loss_scale=8.0, counter=0, period=5, factor=2.0, min_loss_scale=2.0)
+
+
+def test_dynamic_constructed_from_constants_inside_jit():
+    ls = jax.jit(lambda: autocast.DynamicLossScale(32.0, period=3, factor=4))()
+    _assert_fields(ls, loss_scale=32.0, counter=0, period=3, factor=4.0, min_loss_scale=1.0)
+
+
+def test_static_constructed_from_traced_argument():
+    out = jax.jit(lambda s, x: autocast.StaticLossScale(s).scale(x))(
+        jnp.float32(4.0), jnp.ones(2, jnp.float16)
+    )
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(out), [4.0, 4.0])
+
+
+# --------------------------------------------------------------------------------------------
+# 9. Immutability.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: autocast.DynamicLossScale(8.0), "loss_scale"),
+        (lambda: autocast.DynamicLossScale(8.0), "min_loss_scale"),
+        (lambda: autocast.DynamicLossScale(8.0), "new_attribute"),
+        (lambda: autocast.StaticLossScale(8.0), "loss_scale"),
+        (lambda: autocast.NoOpLossScale(), "loss_scale"),
+        (lambda: jax.tree_util.tree_map(lambda x: x, autocast.DynamicLossScale(8.0)), "counter"),
+        (lambda: pickle.loads(pickle.dumps(autocast.DynamicLossScale(8.0))), "period"),
+    ],
+    ids=["dynamic", "dynamic-min", "dynamic-new", "static", "noop", "unflattened", "unpickled"],
+)
+def test_setting_an_attribute_raises(make, name):
+    ls = make()
+    before = repr(ls)
+    with pytest.raises(AttributeError):
+        setattr(ls, name, jnp.float32(1.0))
+    assert repr(ls) == before
+
+
+# --- review follow-ups ----------------------------------------------------------------------
+
+def test_fields_cannot_be_deleted():
+    ls = autocast.DynamicLossScale(8.0)
+    with pytest.raises(AttributeError, match="immutable"):
+        del ls.min_loss_scale
+    assert float(ls.min_loss_scale) == 1.0
+
+
+def test_all_finite_counts_complex_leaves():
+    assert not bool(autocast.all_finite({"z": jnp.array([1 + 1j, complex(jnp.inf, 0)])}))
+    assert bool(autocast.all_finite({"z": jnp.array([1 + 1j])}))
+
+
+def test_select_tree_selects_numpy_scalars():
+    out = autocast.select_tree(jnp.bool_(False), {"a": np.float32(1)}, {"a": np.float32(2)})
+    assert float(out["a"]) == 2.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(loss_scale="abc"), TypeError, "^loss_scale must be a positive finite number"),
+        (dict(loss_scale=1.0, period=2**40), ValueError, "^period must fit in int32"),
+        (dict(loss_scale=1.0, factor="2"), TypeError, "^factor must be a positive finite number"),
+    ],
+)
+def test_dynamic_rejects_unusable_values_with_named_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        autocast.DynamicLossScale(**kwargs)
