@@ -1,8 +1,10 @@
 """jax-autocast: automatic mixed precision for JAX.
 
-Policies and casting helpers (``Policy``, ``get_policy``, ``cast_to_half``, ...) and loss-scale
-objects (``DynamicLossScale``, ``all_finite``, ...) keep the names ``jmp`` made familiar, so
-code written for ``jmp`` or ``neurai.mp`` ports by changing its import line.
+``amp(fn)`` runs a JAX function's matrix work in bfloat16 or float16 and keeps the delicate
+parts in float32, through ``jit``, ``grad`` and ``vmap``. Policies and casting helpers
+(``Policy``, ``get_policy``, ``cast_to_half``, ...) and loss-scale objects
+(``DynamicLossScale``, ``all_finite``, ...) keep the names of ``jaxamp`` and ``jmp``, so
+code written for them ports by changing its import line.
 """
 
 from autocast.loss_scale import (
@@ -23,22 +25,43 @@ from autocast.policy import (
     half_dtype,
     parse_dtype,
 )
+from autocast.rules import (
+    DEFAULT_PRECISION_TABLE,
+    default_amp_policy,
+    describe_default_policy,
+    use_compute_precision,
+    use_input_precision,
+    use_original_precision,
+    use_precision,
+    use_widest_precision,
+)
+from autocast.transform import amp, amp_stop
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DEFAULT_PRECISION_TABLE",
     "DynamicLossScale",
     "LossScaleUpdate",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "amp",
+    "amp_stop",
     "cast_to_full",
     "cast_to_half",
     "cast_tree",
+    "default_amp_policy",
+    "describe_default_policy",
     "get_policy",
     "half_dtype",
     "next_loss_scale",
     "parse_dtype",
     "select_tree",
+    "use_compute_precision",
+    "use_input_precision",
+    "use_original_precision",
+    "use_precision",
+    "use_widest_precision",
 ]

@@ -1,0 +1,188 @@
+"""Everything that touches JAX internals or differs between supported JAX versions.
+
+The rest of the package imports from here and nowhere else below ``jax``'s public API, so a
+JAX upgrade is met in this one file. Supported: JAX 0.6.2 to 0.10.x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+from jax.extend import source_info_util
+
+Literal = jex.Literal
+Jaxpr = jex.Jaxpr
+ClosedJaxpr = jex.ClosedJaxpr
+Primitive = jex.Primitive
+
+# `jax.jit` records its equations as "pjit" up to JAX 0.6 and as "jit" from 0.7 on.
+JIT_NAMES = frozenset({"pjit", "jit"})
+
+
+def primitive_by_name(name: str) -> Primitive | None:
+    """The primitive called ``name`` in this JAX version, or None if it has none by that name.
+
+    Most primitives are public in ``jax.extend.core.primitives`` or ``jax.lax``; a few (the
+    ragged dot) are only reachable inside ``jax._src``.
+    """
+    attr = name.replace("-", "_") + "_p"
+    for module in _primitive_modules():
+        prim = getattr(module, attr, None)
+        if isinstance(prim, Primitive) and prim.name == name:
+            return prim
+    return None
+
+
+def _primitive_modules() -> Iterator[Any]:
+    yield jex.primitives
+    yield jax.lax
+    try:
+        from jax._src.lax import lax as lax_internal
+
+        yield lax_internal
+    except ImportError:  # pragma: no cover - layout of a future JAX
+        pass
+
+
+def bind_equation(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> Any:
+    """Binds ``eqn``'s primitive on ``invals`` with ``params``, as ``jax.core.eval_jaxpr`` would.
+
+    ``get_bind_params`` turns stored sub-jaxprs back into the callables some primitives bind
+    with; it returned ``(subfuns, params)`` up to JAX 0.6 and one dict since.
+    """
+    bind_params = eqn.primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):
+        subfuns, bind_params = bind_params
+        return eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return eqn.primitive.bind(*invals, **bind_params)
+
+
+def is_drop_var(var: Any) -> bool:
+    """True for the placeholder output variable of an equation whose result is unused."""
+    return type(var).__name__ == "DropVar"
+
+
+def literal_value(lit: Any) -> Any:
+    """A literal's value, with the dtype the jaxpr recorded for it.
+
+    Newer JAX stores literals as float/int subclasses that carry their dtype; NumPy would read
+    them back as 64-bit. Scalars come back as NumPy scalars of the recorded dtype.
+    """
+    dtype = lit.aval.dtype
+    val = lit.val
+    if np.ndim(val) == 0 and not isinstance(val, jax.Array):
+        return np.asarray(val, dtype=dtype)[()]
+    return val
+
+
+_TRANSFORM_WRAPPER = re.compile(r"^\w+\((.*)\)$")
+
+
+def scope_names(eqn: Any) -> tuple[str, ...]:
+    """The ``jax.named_scope`` names an equation was traced under, outermost first.
+
+    Transformation markers (``jvp``, ``transpose``, ``vmap``...) are dropped, so a scope's
+    policy also governs the derivative of what it contains. A scope name that an older
+    transformation flattened into text such as ``"transpose(jvp(mlp))"`` is unwrapped too.
+    """
+    names = []
+    for item in eqn.source_info.name_stack.stack:
+        if type(item).__name__ != "Scope":
+            continue
+        for part in item.name.split("/"):
+            while (m := _TRANSFORM_WRAPPER.match(part)) is not None:
+                part = m.group(1)
+            names.append(part)
+    return tuple(names)
+
+
+def current_scope_names() -> tuple[str, ...]:
+    """The named scopes active where the caller is running, outermost first."""
+    return tuple(
+        item.name
+        for item in source_info_util.current_name_stack().stack
+        if type(item).__name__ == "Scope"
+    )
+
+
+@contextlib.contextmanager
+def equation_context(eqn: Any) -> Iterator[None]:
+    """Re-emits ``eqn`` with the traceback, name stack and config context it was traced with.
+
+    Without this, equations that amp re-binds lose their ``jax.named_scope`` names (which
+    later passes, profiles and ``checkpoint_name`` policies rely on) and their source lines.
+    """
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+            yield
+
+
+def sub_jaxpr_params(params: dict[str, Any]) -> list[str]:
+    """Names of the parameters of an equation that hold jaxprs (the mark of a higher-order op)."""
+    found = []
+    for key, value in params.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in values):
+            found.append(key)
+    return found
+
+
+def custom_jvp_parts(eqn: Any) -> tuple[ClosedJaxpr, int]:
+    """The primal jaxpr of a ``custom_jvp_call`` equation and its number of leading consts."""
+    return eqn.params["call_jaxpr"], eqn.params.get("num_consts", 0)
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value (shape, dtype, weak type) of an array, tracer or Python scalar."""
+    return jax.typeof(x)
+
+
+# Primitives whose parameters hold a scalar computation typed for their operand (the combiner
+# of a scatter). They are first-order for amp's purposes, but moving their operands to another
+# dtype means re-typing that computation, or lowering fails.
+_SCALAR_COMPUTATION_PARAMS = {
+    "scatter": ("update_jaxpr", "update_consts"),
+    "scatter-add": ("update_jaxpr", "update_consts"),
+    "scatter_add": ("update_jaxpr", "update_consts"),
+    "scatter_sub": ("update_jaxpr", "update_consts"),
+    "scatter_mul": ("update_jaxpr", "update_consts"),
+    "scatter_min": ("update_jaxpr", "update_consts"),
+    "scatter_max": ("update_jaxpr", "update_consts"),
+}
+FIRST_ORDER_WITH_JAXPRS = frozenset(_SCALAR_COMPUTATION_PARAMS)
+
+
+def retype_scalar_computation(
+    eqn: Any, invals: Sequence[Any], params: dict[str, Any]
+) -> dict[str, Any]:
+    """Re-types a scatter's combiner for the dtype its operand now has."""
+    keys = _SCALAR_COMPUTATION_PARAMS.get(eqn.primitive.name)
+    if keys is None:
+        return params
+    jaxpr_key, consts_key = keys
+    jaxpr = params.get(jaxpr_key)
+    dtype = invals[0].dtype
+    if jaxpr is None or all(v.aval.dtype == dtype for v in jaxpr.invars):
+        return params
+    consts = params.get(consts_key, ())
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    retyped = jax.make_jaxpr(lambda *xs: jax.core.eval_jaxpr(jaxpr, consts, *xs))(
+        *[scalar] * len(jaxpr.invars)
+    )
+    return {**params, jaxpr_key: retyped.jaxpr, consts_key: tuple(retyped.consts)}
+
+
+def sub_jaxprs(eqn: Any) -> Iterator[Any]:
+    """The open jaxprs an equation carries (closed ones are opened), for walking a program."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, Jaxpr):
+                yield v

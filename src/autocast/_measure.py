@@ -1,0 +1,113 @@
+"""Measures of what mixed precision did to a program (SPEC 5), read off its jaxpr.
+
+Used by the tests, the benchmarks and the report. Everything here is backend-independent:
+shapes and dtypes, not timings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+from autocast import _compat
+
+_MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"})
+
+
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` (closed or open), sub-jaxprs included, depth first."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _compat.sub_jaxprs(eqn):
+            yield from equations(sub)
+
+
+def matmul_flops(eqn: Any) -> int:
+    """Multiply-add FLOPs (counted as 2) of a ``dot_general`` or convolution equation."""
+    out = eqn.outvars[0].aval
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (contract_lhs, _), _ = eqn.params["dimension_numbers"]
+        return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract_lhs)
+    if name == "conv_general_dilated":
+        dn = eqn.params["dimension_numbers"]
+        kernel_spatial = [rhs.shape[d] for d in dn.rhs_spec[2:]]
+        in_features = rhs.shape[dn.rhs_spec[1]]
+        return 2 * math.prod(out.shape) * math.prod(kernel_spatial) * in_features
+    # ragged dots: bound by the dense equivalent
+    return 2 * math.prod(out.shape) * lhs.shape[-1]
+
+
+def low_precision_flop_share(jaxpr: Any, bits: int = 16) -> float:
+    """Share of matmul/conv FLOPs whose operands are all floats of at most ``bits`` bits."""
+    total = low = 0
+    for eqn in equations(jaxpr):
+        if eqn.primitive.name not in _MATMUL_NAMES:
+            continue
+        flops = matmul_flops(eqn)
+        total += flops
+        if all(v.aval.dtype.itemsize * 8 <= bits for v in eqn.invars[:2]):
+            low += flops
+    return low / total if total else float("nan")
+
+
+def float_casts(jaxpr: Any) -> list[Any]:
+    """The ``convert_element_type`` equations that change one floating dtype into another."""
+    return [
+        eqn
+        for eqn in equations(jaxpr)
+        if eqn.primitive.name == "convert_element_type"
+        and _is_float(eqn.invars[0].aval.dtype)
+        and _is_float(eqn.outvars[0].aval.dtype)
+        and eqn.invars[0].aval.dtype != eqn.outvars[0].aval.dtype
+    ]
+
+
+def count_casts(jaxpr: Any) -> int:
+    """Number of casts from one floating dtype to another, sub-jaxprs included."""
+    return len(float_casts(jaxpr))
+
+
+def wasted_casts(jaxpr: Any) -> int:
+    """Casts that undo a cast: ``a -> b -> a`` with nothing in between (round trips)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return _wasted(jaxpr)
+
+
+def _wasted(jaxpr: Any) -> int:
+    producer = {}
+    waste = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            src = eqn.invars[0]
+            before = producer.get(src) if not isinstance(src, _compat.Literal) else None
+            if before is not None and before.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
+                if _is_float(eqn.outvars[0].aval.dtype):
+                    waste += 1
+            producer[eqn.outvars[0]] = eqn
+        for sub in _compat.sub_jaxprs(eqn):
+            waste += _wasted(sub)
+    return waste
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
+
+
+def residual_bytes(fn: Callable[..., Any], *args: Any) -> int:
+    """Bytes of the residuals ``jax.vjp`` keeps for the backward pass of ``fn`` at ``args``.
+
+    Computed abstractly: nothing runs.
+    """
+    def residuals(*a: Any) -> Any:
+        return jax.vjp(fn, *a)[1]
+
+    shapes = jax.eval_shape(residuals, *args)
+    return sum(
+        math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes)
+    )

@@ -1,0 +1,246 @@
+"""Evaluates a jaxpr under a mixed-precision policy, one equation at a time.
+
+Each first-order equation is decided (SPEC 3.2: named scopes, then the primitive, then
+``"amp_default"``), its inputs are cast by the chosen precision function and the primitive is
+bound again on whatever trace is current, so ``jit``, ``grad`` and ``vmap`` compose with
+``amp`` from either side. Equations that carry sub-jaxprs go to their handler in
+:mod:`autocast.higher_order`.
+
+Every value has a kind that says how much its dtype should count:
+
+- ``WEAK``: a literal or a value computed from literals alone (``jnp.zeros``, a mask built
+  from ``iota``), or an input broadcast against something larger (a bias, a layer-norm gain).
+  It carries no dtype decision of its own: before the policy is consulted it takes the dtype
+  of the other values it meets, so ``x * 2.0``, ``jnp.where(m, x, 0.0)`` and ``x @ w + b``
+  keep a 16-bit activation 16-bit, as PyTorch's linear layer does with its bias.
+- ``RAW``: an input of the function (a parameter, a batch) or a piece of one cut out by pure
+  data movement. It keeps its dtype, so a float32 parameter updated by a 16-bit gradient is
+  updated in float32.
+- ``STRONG``: anything computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from autocast import _compat
+from autocast.rules import PrecisionFn, _castable, cast_memo, cast_value, use_original_precision
+
+STRONG, RAW, WEAK = 0, 1, 2
+
+# Primitives that only move data: an input cut out by them is still an input. Of these,
+# broadcasting makes it WEAK, since it is applied across something larger.
+_MOVEMENT = frozenset({
+    "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "gather",
+    "convert_element_type", "copy", "copy_p", "rev", "concatenate", "split", "broadcast_in_dim",
+})
+_BROADCAST = "broadcast_in_dim"
+
+
+@functools.lru_cache(maxsize=None)
+def _is_float(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def output_kind(name: str, invals: Sequence[Any], kinds: Sequence[int]) -> int:
+    """The kind of an equation's outputs, from its primitive and its inputs' kinds."""
+    if all(k == WEAK for k in kinds):
+        return WEAK
+    float_kinds = [k for k, x in zip(kinds, invals) if _is_float(x.dtype)]
+    if not float_kinds:
+        return STRONG
+    if all(k == WEAK for k in float_kinds):
+        return WEAK
+    if name in _MOVEMENT and STRONG not in float_kinds:
+        return WEAK if name == _BROADCAST else RAW
+    return STRONG
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the interpreter needs to decide and cast: the policy and where we are."""
+
+    compute_dtype: np.dtype
+    policy: Mapping[Any, PrecisionFn]
+    scope_keys: frozenset[str]
+    # Named scopes enclosing the jaxpr being evaluated: the caller's, then those of the
+    # higher-order equations we descended through (inner jaxprs record scopes relative to them).
+    scopes: tuple[str, ...] = ()
+    # Re-traced sub-jaxprs, shared by every context of one amp-wrapped function.
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def enter(self, eqn: Any) -> Context:
+        """The context for the sub-jaxprs of ``eqn``."""
+        inner = _compat.scope_names(eqn)
+        return dataclasses.replace(self, scopes=self.scopes + inner) if inner else self
+
+
+def decide_by_scope(eqn: Any, ctx: Context) -> PrecisionFn | None:
+    """The precision function of the outermost named scope of ``eqn`` in the policy, if any."""
+    if ctx.scope_keys:
+        for name in ctx.scopes + _compat.scope_names(eqn):
+            if name in ctx.scope_keys:
+                return ctx.policy[name]
+    return None
+
+
+def decide(eqn: Any, ctx: Context) -> PrecisionFn:
+    """The precision function for ``eqn``: outermost matching scope, primitive, amp_default."""
+    rule = decide_by_scope(eqn, ctx)
+    if rule is not None:
+        return rule
+    rule = ctx.policy.get(eqn.primitive)
+    if rule is None:
+        rule = ctx.policy.get("amp_default", use_original_precision)
+    return rule
+
+
+def adapt_weak(
+    invals: list[Any],
+    kinds: Sequence[int],
+    original: Sequence[Any],
+    broadcasts: Sequence[Any] = (),
+) -> list[Any]:
+    """Casts WEAK floating inputs to the widest dtype of the other floating inputs.
+
+    ``broadcasts[i]``, when given, is the ``(equation, operand)`` that broadcast input ``i``
+    from a WEAK value: the operand is cast and broadcast again, so a constant such as the
+    ``-1e9`` of an attention mask is cast as a scalar rather than as a whole array.
+    """
+    others = {x.dtype for x, k, o in zip(invals, kinds, original) if k != WEAK and _castable(x, o)}
+    if not others:
+        return invals
+    target = next(iter(others)) if len(others) == 1 else jnp.result_type(*others)
+    adapted = list(invals)
+    for i, (x, k, o) in enumerate(zip(invals, kinds, original)):
+        if k != WEAK or not _castable(x, o) or x.dtype == target:
+            continue
+        recipe = broadcasts[i] if broadcasts else None
+        if recipe is None:
+            adapted[i] = cast_value(x, target)
+        else:
+            eqn, operand = recipe
+            with _compat.equation_context(eqn):
+                adapted[i] = _compat.bind_equation(eqn, [cast_value(operand, target)], eqn.params)
+    return adapted
+
+
+def _checked_rule_output(rule: PrecisionFn, eqn: Any, result: Any, n_in: int) -> tuple:
+    name = getattr(rule, "__name__", repr(rule))
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(
+            f"precision function {name} must return (invars, bind_params) for primitive "
+            f"'{eqn.primitive.name}', got {type(result).__name__}"
+        )
+    invars, params = result
+    if len(invars) != n_in:
+        raise ValueError(
+            f"precision function {name} returned {len(invars)} inputs for primitive "
+            f"'{eqn.primitive.name}', which takes {n_in}"
+        )
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"precision function {name} returned bind_params of type {type(params).__name__} "
+            f"for primitive '{eqn.primitive.name}'; expected a dict"
+        )
+    return invars, dict(params)
+
+
+def apply_first_order(
+    eqn: Any,
+    invals: list[Any],
+    kinds: Sequence[int],
+    ctx: Context,
+    broadcasts: Sequence[Any] = (),
+) -> Any:
+    """Decides, casts and binds one first-order equation."""
+    original = [v.aval.dtype for v in eqn.invars]
+    if WEAK in kinds:
+        invals = adapt_weak(invals, kinds, original, broadcasts)
+    rule = decide(eqn, ctx)
+    invars, params = _checked_rule_output(
+        rule, eqn, rule(ctx.compute_dtype, original, *invals, **eqn.params), len(invals)
+    )
+    params = _compat.retype_scalar_computation(eqn, invars, params)
+    return _compat.bind_equation(eqn, invars, params)
+
+
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    ctx: Context,
+    arg_kinds: Sequence[int] | None = None,
+) -> list[Any]:
+    """Evaluates an open ``jaxpr`` on ``args`` under ``ctx``; returns the output values.
+
+    ``arg_kinds`` gives the kind of each argument (default: all RAW, the function's inputs).
+    """
+    with cast_memo():
+        return _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds)
+
+
+def _eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    ctx: Context,
+    arg_kinds: Sequence[int] | None,
+) -> list[Any]:
+    from autocast.higher_order import handler_for
+
+    env: dict[Any, Any] = {}
+    kind_of: dict[Any, int] = {}
+    # WEAK values made by broadcasting a WEAK operand: how to make them again in another dtype.
+    broadcast_of: dict[Any, tuple[Any, Any]] = {}
+    for var, value in zip(jaxpr.constvars, consts):
+        env[var] = value
+        kind_of[var] = RAW
+    for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
+        env[var] = value
+        kind_of[var] = WEAK if var.aval.weak_type else (RAW if arg_kinds is None else arg_kinds[i])
+
+    for eqn in jaxpr.eqns:
+        invals = []
+        kinds = []
+        for var in eqn.invars:
+            if isinstance(var, _compat.Literal):
+                invals.append(_compat.literal_value(var))
+                kinds.append(WEAK)
+            else:
+                invals.append(env[var])
+                kinds.append(kind_of[var])
+        handler = handler_for(eqn, ctx)
+        with _compat.equation_context(eqn):
+            if handler is None:
+                broadcasts = (
+                    [
+                        None if isinstance(v, _compat.Literal) else broadcast_of.get(v)
+                        for v in eqn.invars
+                    ]
+                    if broadcast_of and WEAK in kinds
+                    else ()
+                )
+                outs = apply_first_order(eqn, invals, kinds, ctx, broadcasts)
+            else:
+                outs = handler(eqn, invals, kinds, ctx)
+        if not eqn.primitive.multiple_results:
+            outs = (outs,)
+        kind = output_kind(eqn.primitive.name, invals, kinds)
+        for var, value in zip(eqn.outvars, outs):
+            if _compat.is_drop_var(var):
+                continue
+            env[var] = value
+            kind_of[var] = kind
+        if eqn.primitive.name == _BROADCAST and kinds[0] == WEAK:
+            broadcast_of[eqn.outvars[0]] = (eqn, invals[0])
+
+    return [
+        _compat.literal_value(v) if isinstance(v, _compat.Literal) else env[v]
+        for v in jaxpr.outvars
+    ]

@@ -1,0 +1,394 @@
+"""Precision functions and the default policy: which primitive runs in which dtype, and why.
+
+A precision function has the signature of ``jaxamp``:
+
+    f(compute_dtype, original_dtypes, *invars, **bind_params) -> (invars, bind_params)
+
+``original_dtypes`` are the dtypes the unmodified program had at that equation; ``invars``
+are the values as they arrive under amp (possibly already 16-bit). The function returns the
+values to bind the primitive with, and its parameters. Integer, boolean and float64 values
+are never cast by any function here.
+
+The default policy is the table :data:`DEFAULT_PRECISION_TABLE`: one row per primitive with
+its category and the reason it sits there. Everything not in the table keeps its original
+precision, so an unknown primitive is never silently degraded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from autocast import _compat
+
+PrecisionFn = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
+PolicyKey = Union[str, _compat.Primitive]
+AmpPolicy = Mapping[PolicyKey, PrecisionFn]
+
+_F64 = np.dtype(np.float64)
+# Parameters that fix a primitive's result dtype; a rule that moves the inputs moves them too.
+_RESULT_DTYPE_PARAMS = ("preferred_element_type", "out_dtype")
+
+
+def _castable(x: Any, original: Any) -> bool:
+    """Floating-point, not float64, now and in the original program."""
+    dtype = getattr(x, "dtype", None)
+    return (
+        dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and dtype != _F64
+        and jnp.issubdtype(original, jnp.floating)
+        and original != _F64
+    )
+
+
+# One memo per jaxpr being evaluated (innermost last): a value used by several equations is
+# cast once, not once per use. Entries hold the source value so its id stays unique.
+_cast_memos: list[dict[tuple[int, Any], tuple[Any, Any]]] = []
+
+
+@contextlib.contextmanager
+def cast_memo() -> Iterator[None]:
+    """Within this context, casting the same value to the same dtype twice reuses the cast."""
+    _cast_memos.append({})
+    try:
+        yield
+    finally:
+        _cast_memos.pop()
+
+
+def cast_value(x: Any, dtype: Any) -> Any:
+    """Casts one value; NumPy constants are cast on the host so no device work is traced."""
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.asarray(x).astype(dtype)
+    if not _cast_memos:
+        return lax.convert_element_type(x, dtype)
+    memo = _cast_memos[-1]
+    key = (id(x), np.dtype(dtype))
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = (x, lax.convert_element_type(x, dtype))
+    return hit[1]
+
+
+def _with_result_dtype(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    for key in _RESULT_DTYPE_PARAMS:
+        value = params.get(key)
+        if value is not None and jnp.issubdtype(value, jnp.floating) and value != _F64:
+            params = {**params, key: np.dtype(dtype)}
+    return params
+
+
+def _cast_all(dtype: Any, original_dtypes: Sequence[Any], invars: Sequence[Any]) -> tuple:
+    return tuple(
+        cast_value(x, dtype) if _castable(x, o) else x for x, o in zip(invars, original_dtypes)
+    )
+
+
+def use_compute_precision(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """Runs the primitive in ``compute_dtype``: inputs are cast and so is the result.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> (a, b), params = autocast.use_compute_precision(
+    ...     jnp.bfloat16, [jnp.float32] * 2, jnp.ones(2), jnp.ones(2),
+    ...     preferred_element_type=jnp.float32)
+    >>> a.dtype, params["preferred_element_type"]
+    (dtype(bfloat16), dtype(bfloat16))
+    """
+    return _cast_all(compute_dtype, original_dtypes, invars), _with_result_dtype(
+        bind_params, compute_dtype
+    )
+
+
+def use_original_precision(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """Runs the primitive exactly as the original program did: inputs go back to their dtypes.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> (a,), _ = autocast.use_original_precision(jnp.bfloat16, [jnp.float32],
+    ...                                          jnp.ones(2, jnp.bfloat16))
+    >>> a.dtype
+    dtype('float32')
+    """
+    invars = tuple(
+        cast_value(x, o) if _castable(x, o) else x for x, o in zip(invars, original_dtypes)
+    )
+    return invars, bind_params
+
+
+def _widest(invars: Sequence[Any], original_dtypes: Sequence[Any]) -> Any:
+    dtypes = [x.dtype for x, o in zip(invars, original_dtypes) if _castable(x, o)]
+    return jnp.result_type(*dtypes) if dtypes else None
+
+
+def use_widest_precision(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """Casts every floating-point input to the widest floating dtype among them.
+
+    For joins (``concatenate``, ``select_n``, ``scatter``...), whose operands must agree: a
+    value that arrives in float32 is never narrowed to meet a 16-bit one.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> (a, b), _ = autocast.use_widest_precision(
+    ...     jnp.bfloat16, [jnp.float32] * 2, jnp.ones(2, jnp.bfloat16), jnp.ones(2))
+    >>> a.dtype, b.dtype
+    (dtype('float32'), dtype('float32'))
+    """
+    widest = _widest(invars, original_dtypes)
+    if widest is None:
+        return invars, bind_params
+    return _cast_all(widest, original_dtypes, invars), _with_result_dtype(bind_params, widest)
+
+
+def use_input_precision(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """Runs the primitive in whatever dtype its inputs arrive in (PyTorch's rule for the rest).
+
+    Cheap elementwise and data-movement work uses this, so activations stay 16-bit between
+    matrix products. Mixed floating inputs are promoted to the widest, as PyTorch does.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> (a,), _ = autocast.use_input_precision(jnp.bfloat16, [jnp.float32],
+    ...                                       jnp.ones(2, jnp.bfloat16))
+    >>> a.dtype
+    dtype(bfloat16)
+    """
+    return use_widest_precision(compute_dtype, original_dtypes, *invars, **bind_params)
+
+
+def use_precision(dtype: Any) -> PrecisionFn:
+    """A precision function that runs the primitive in ``dtype`` (e.g. float32).
+
+    >>> import autocast, jax.numpy as jnp
+    >>> rule = autocast.use_precision(jnp.float32)
+    >>> (a,), _ = rule(jnp.bfloat16, [jnp.float32], jnp.ones(2, jnp.bfloat16))
+    >>> a.dtype, rule.__name__
+    (dtype('float32'), 'use_precision(float32)')
+    """
+    from autocast.policy import canonicalize_float_dtype
+
+    dtype = canonicalize_float_dtype(dtype, what="use_precision's dtype")
+
+    def rule(
+        compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+    ) -> tuple[Sequence[Any], dict[str, Any]]:
+        return _cast_all(dtype, original_dtypes, invars), _with_result_dtype(bind_params, dtype)
+
+    rule.__name__ = rule.__qualname__ = f"use_precision({dtype.name})"
+    return rule
+
+
+use_float32_precision = use_precision(jnp.float32)
+
+# Squares and cubes (variances, tanh-GELU) stay in the input dtype; higher powers overflow
+# float16 too easily and go to float32.
+_SMALL_POWER = 3
+
+
+def use_input_precision_for_small_powers(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """``integer_pow``: input precision for exponents up to 3 in size, float32 above."""
+    rule = use_input_precision if abs(bind_params.get("y", 0)) <= _SMALL_POWER else use_float32_precision
+    return rule(compute_dtype, original_dtypes, *invars, **bind_params)
+
+
+def use_input_precision_for_casts(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """``convert_element_type``: a cast the program wrote keeps its target dtype.
+
+    A conversion that changed no dtype in the original program (only weak typing, as
+    ``jax.numpy`` emits when it promotes a Python scalar) is no cast at all: the value keeps
+    the dtype it arrives in.
+    """
+    target = bind_params.get("new_dtype")
+    (x,) = invars
+    if target is not None and target == original_dtypes[0] and _castable(x, target):
+        bind_params = {**bind_params, "new_dtype": x.dtype}
+    return invars, bind_params
+
+
+_MATMUL = "compute dtype: matrix work, the bulk of the FLOPs; its backward follows by itself"
+_EXP_LOG = "float32: overflows or loses its small values in 16 bits"
+_ACCUMULATE = "float32: accumulates many terms; 16-bit sums lose low-order bits and overflow"
+_STATISTIC = "float32: applied to statistics (variances, norms) whose precision matters"
+_SPECIAL = "float32: special function, poor accuracy in 16 bits"
+_TRIG = "float32: periodic functions of large arguments need the mantissa"
+_LINALG = "float32: factorisations and solves are unstable in 16 bits"
+_JOIN = "widest input: joins several values, which must agree; never narrows a float32 one"
+_COMPARE = "widest input: compares two values, which must agree"
+_ELEMENTWISE = "input dtype: cheap elementwise work; keeps activations 16-bit"
+_MOVEMENT = "input dtype: moves data without arithmetic; keeps activations 16-bit"
+_SELECTION = "input dtype: picks among values exactly"
+_USER_CAST = "input dtype: a cast the user wrote keeps its target dtype"
+
+# (primitive name, precision function, reason). Rows for primitives that a JAX version lacks
+# are skipped when the policy is built.
+DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
+    ("dot_general", use_compute_precision, _MATMUL),
+    ("conv_general_dilated", use_compute_precision, _MATMUL),
+    ("ragged_dot_general", use_compute_precision, _MATMUL),
+    ("ragged_dot", use_compute_precision, _MATMUL),
+    ("exp", use_float32_precision, _EXP_LOG),
+    ("exp2", use_float32_precision, _EXP_LOG),
+    ("expm1", use_float32_precision, _EXP_LOG),
+    ("log", use_float32_precision, _EXP_LOG),
+    ("log1p", use_float32_precision, _EXP_LOG),
+    ("pow", use_float32_precision, _EXP_LOG),
+    ("reduce_sum", use_float32_precision, _ACCUMULATE),
+    ("reduce_prod", use_float32_precision, _ACCUMULATE),
+    ("cumsum", use_float32_precision, _ACCUMULATE),
+    ("cumprod", use_float32_precision, _ACCUMULATE),
+    ("cumlogsumexp", use_float32_precision, _ACCUMULATE),
+    ("reduce_window_sum", use_float32_precision, _ACCUMULATE),
+    ("scatter-add", use_float32_precision, _ACCUMULATE + " (repeated indices add up)"),
+    ("scatter_mul", use_float32_precision, _ACCUMULATE + " (repeated indices multiply)"),
+    ("sqrt", use_float32_precision, _STATISTIC),
+    ("rsqrt", use_float32_precision, _STATISTIC),
+    ("cbrt", use_float32_precision, _STATISTIC),
+    ("erf", use_float32_precision, _SPECIAL),
+    ("erfc", use_float32_precision, _SPECIAL),
+    ("erf_inv", use_float32_precision, _SPECIAL),
+    ("lgamma", use_float32_precision, _SPECIAL),
+    ("digamma", use_float32_precision, _SPECIAL),
+    ("polygamma", use_float32_precision, _SPECIAL),
+    ("zeta", use_float32_precision, _SPECIAL),
+    ("igamma", use_float32_precision, _SPECIAL),
+    ("igammac", use_float32_precision, _SPECIAL),
+    ("igamma_grad_a", use_float32_precision, _SPECIAL),
+    ("bessel_i0e", use_float32_precision, _SPECIAL),
+    ("bessel_i1e", use_float32_precision, _SPECIAL),
+    ("regularized_incomplete_beta", use_float32_precision, _SPECIAL),
+    ("sin", use_float32_precision, _TRIG),
+    ("cos", use_float32_precision, _TRIG),
+    ("tan", use_float32_precision, _TRIG),
+    ("asin", use_float32_precision, _TRIG),
+    ("acos", use_float32_precision, _TRIG),
+    ("atan", use_float32_precision, _TRIG),
+    ("atan2", use_float32_precision, _TRIG),
+    ("sinh", use_float32_precision, _EXP_LOG),
+    ("cosh", use_float32_precision, _EXP_LOG),
+    ("asinh", use_float32_precision, _EXP_LOG),
+    ("acosh", use_float32_precision, _EXP_LOG),
+    ("atanh", use_float32_precision, _EXP_LOG),
+    ("cholesky", use_float32_precision, _LINALG),
+    ("triangular_solve", use_float32_precision, _LINALG),
+    ("qr", use_float32_precision, _LINALG),
+    ("householder_product", use_float32_precision, _LINALG),
+    ("svd", use_float32_precision, _LINALG),
+    ("eigh", use_float32_precision, _LINALG),
+    ("eig", use_float32_precision, _LINALG),
+    ("lu", use_float32_precision, _LINALG),
+    ("schur", use_float32_precision, _LINALG),
+    ("hessenberg", use_float32_precision, _LINALG),
+    ("tridiagonal", use_float32_precision, _LINALG),
+    ("tridiagonal_solve", use_float32_precision, _LINALG),
+    ("concatenate", use_widest_precision, _JOIN),
+    ("select_n", use_widest_precision, _JOIN),
+    ("clamp", use_widest_precision, _JOIN),
+    ("pad", use_widest_precision, _JOIN),
+    ("add_any", use_widest_precision, _JOIN),
+    ("dynamic_update_slice", use_widest_precision, _JOIN),
+    ("scatter", use_widest_precision, _JOIN),
+    ("scatter_min", use_widest_precision, _JOIN),
+    ("scatter_max", use_widest_precision, _JOIN),
+    ("select_and_scatter_add", use_widest_precision, _JOIN),
+    ("select_and_gather_add", use_widest_precision, _JOIN),
+    ("eq", use_widest_precision, _COMPARE),
+    ("ne", use_widest_precision, _COMPARE),
+    ("lt", use_widest_precision, _COMPARE),
+    ("le", use_widest_precision, _COMPARE),
+    ("gt", use_widest_precision, _COMPARE),
+    ("ge", use_widest_precision, _COMPARE),
+    ("add", use_input_precision, _ELEMENTWISE),
+    ("sub", use_input_precision, _ELEMENTWISE),
+    ("mul", use_input_precision, _ELEMENTWISE),
+    ("div", use_input_precision, _ELEMENTWISE),
+    ("rem", use_input_precision, _ELEMENTWISE),
+    ("neg", use_input_precision, _ELEMENTWISE),
+    ("max", use_input_precision, _ELEMENTWISE),
+    ("min", use_input_precision, _ELEMENTWISE),
+    ("abs", use_input_precision, _ELEMENTWISE),
+    ("sign", use_input_precision, _ELEMENTWISE),
+    ("floor", use_input_precision, _ELEMENTWISE),
+    ("ceil", use_input_precision, _ELEMENTWISE),
+    ("round", use_input_precision, _ELEMENTWISE),
+    ("is_finite", use_input_precision, _ELEMENTWISE),
+    ("square", use_input_precision, _ELEMENTWISE),
+    ("integer_pow", use_input_precision_for_small_powers, _ELEMENTWISE + " (exponents up to 3)"),
+    ("tanh", use_input_precision, _ELEMENTWISE + " (bounded output)"),
+    ("logistic", use_input_precision, _ELEMENTWISE + " (bounded output)"),
+    ("reduce_precision", use_input_precision, _ELEMENTWISE),
+    ("stop_gradient", use_input_precision, _MOVEMENT),
+    ("reshape", use_input_precision, _MOVEMENT),
+    ("transpose", use_input_precision, _MOVEMENT),
+    ("broadcast_in_dim", use_input_precision, _MOVEMENT),
+    ("squeeze", use_input_precision, _MOVEMENT),
+    ("expand_dims", use_input_precision, _MOVEMENT),
+    ("slice", use_input_precision, _MOVEMENT),
+    ("dynamic_slice", use_input_precision, _MOVEMENT),
+    ("gather", use_input_precision, _MOVEMENT),
+    ("rev", use_input_precision, _MOVEMENT),
+    ("copy", use_input_precision, _MOVEMENT),
+    ("copy_p", use_input_precision, _MOVEMENT),
+    ("split", use_input_precision, _MOVEMENT),
+    ("sharding_constraint", use_input_precision, _MOVEMENT),
+    ("optimization_barrier", use_input_precision, _MOVEMENT),
+    ("device_put", use_input_precision, _MOVEMENT),
+    ("reduce_max", use_input_precision, _SELECTION),
+    ("reduce_min", use_input_precision, _SELECTION),
+    ("argmax", use_input_precision, _SELECTION),
+    ("argmin", use_input_precision, _SELECTION),
+    ("reduce_window_max", use_input_precision, _SELECTION),
+    ("reduce_window_min", use_input_precision, _SELECTION),
+    ("cummax", use_input_precision, _SELECTION),
+    ("cummin", use_input_precision, _SELECTION),
+    ("sort", use_input_precision, _SELECTION),
+    ("top_k", use_input_precision, _SELECTION),
+    ("convert_element_type", use_input_precision_for_casts, _USER_CAST),
+)
+
+# Scopes that keep original precision: the seed's special names.
+SPECIAL_SCOPES: tuple[str, ...] = ("amp_stop", "amp_step", "amp_default")
+
+
+def _build_default_policy() -> dict[PolicyKey, PrecisionFn]:
+    policy: dict[PolicyKey, PrecisionFn] = {}
+    for name, rule, _ in DEFAULT_PRECISION_TABLE:
+        prim = _compat.primitive_by_name(name)
+        if prim is not None:
+            policy[prim] = rule
+    for scope in SPECIAL_SCOPES:
+        policy[scope] = use_original_precision
+    return policy
+
+
+default_amp_policy: dict[PolicyKey, PrecisionFn] = _build_default_policy()
+"""The policy ``amp`` uses unless given another: :data:`DEFAULT_PRECISION_TABLE` plus the
+special scopes ``"amp_stop"``, ``"amp_step"`` and ``"amp_default"`` (original precision)."""
+
+
+def describe_default_policy() -> str:
+    """The default policy as a Markdown table: primitive, rule, reason.
+
+    >>> import autocast
+    >>> print(autocast.describe_default_policy().splitlines()[2])
+    | `dot_general` | use_compute_precision | compute dtype: matrix work, ... |
+    """
+    lines = ["| primitive | rule | why |", "|---|---|---|"]
+    for name, rule, reason in DEFAULT_PRECISION_TABLE:
+        lines.append(f"| `{name}` | {rule.__name__} | {reason} |")
+    lines.append("| anything else | use_original_precision | an unknown primitive is never degraded |")
+    return "\n".join(lines)

@@ -1,0 +1,223 @@
+"""``amp``: evaluate any JAX function under a mixed-precision policy; ``amp_stop``."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Mapping, TypeVar, overload
+
+import jax
+import numpy as np
+
+from autocast import _compat
+from autocast.interpreter import Context, eval_jaxpr
+from autocast.policy import canonicalize_float_dtype, half_dtype
+from autocast.rules import _castable, cast_value, default_amp_policy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Traces kept per amp-wrapped function, most recent last (like jit's cache, but bounded).
+_TRACE_CACHE_SIZE = 64
+
+
+def _check_policy(amp_policy: Any) -> dict[Any, Callable[..., Any]]:
+    if not isinstance(amp_policy, Mapping):
+        raise TypeError(
+            "amp_policy must be a dict from named-scope strings or jax primitives to precision "
+            f"functions, got {type(amp_policy).__name__}"
+        )
+    for key, rule in amp_policy.items():
+        if not isinstance(key, (str, _compat.Primitive)):
+            raise TypeError(
+                f"amp_policy key {key!r} is neither a named-scope string nor a jax primitive "
+                "(such as jax.lax.exp_p)"
+            )
+        if not callable(rule):
+            raise TypeError(
+                f"amp_policy[{key!r}] must be a precision function "
+                f"f(compute_dtype, original_dtypes, *invars, **params), got {rule!r}"
+            )
+    return dict(amp_policy)
+
+
+class _Traced:
+    """One trace of the user's function: its jaxpr and how to rebuild its outputs."""
+
+    __slots__ = ("jaxpr", "out_tree", "out_static", "out_dtypes")
+
+    def __init__(self, jaxpr: Any, out_tree: Any, out_static: list, out_dtypes: list) -> None:
+        self.jaxpr = jaxpr
+        self.out_tree = out_tree
+        self.out_static = out_static
+        self.out_dtypes = out_dtypes
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class _Amp:
+    """The callable ``amp`` returns; one per wrapped function."""
+
+    def __init__(self, fn: Callable[..., Any], compute_dtype: Any, amp_policy: Any) -> None:
+        self._fn = fn
+        self._compute_dtype = (
+            None if compute_dtype is None else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
+        )
+        policy = default_amp_policy if amp_policy is None else _check_policy(amp_policy)
+        self._policy = policy
+        self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
+        self._traces: collections.OrderedDict = collections.OrderedDict()
+        self._subjaxpr_cache: dict = {}
+        functools.update_wrapper(self, fn)
+
+    def _context(self) -> Context:
+        if self._compute_dtype is None:  # resolved on first call, not at decoration time
+            self._compute_dtype = half_dtype()
+        return Context(
+            compute_dtype=self._compute_dtype,
+            policy=self._policy,
+            scope_keys=self._scope_keys,
+            scopes=_compat.current_scope_names(),
+            cache=self._subjaxpr_cache,
+        )
+
+    def _trace(self, in_tree: Any, leaves: list, dynamic: list[int]) -> _Traced:
+        specs = [_compat.aval_of(leaves[i]) for i in dynamic]
+        statics = tuple((i, leaves[i]) for i in range(len(leaves)) if i not in set(dynamic))
+        key = (in_tree, tuple((s.shape, s.dtype, s.weak_type) for s in specs), statics)
+        try:
+            hit = self._traces.get(key)
+        except TypeError:  # an unhashable static leaf: trace every time, as jax.jit would refuse
+            key, hit = None, None
+        if hit is not None:
+            self._traces.move_to_end(key)
+            return hit
+
+        out_store: dict[str, Any] = {}
+
+        def flat_fn(*dyn: Any) -> list[Any]:
+            full = list(leaves)
+            for i, x in zip(dynamic, dyn):
+                full[i] = x
+            args, kwargs = jax.tree_util.tree_unflatten(in_tree, full)
+            out = self._fn(*args, **kwargs)
+            out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
+            out_store["static"] = [None if _is_array(x) else x for x in out_leaves]
+            return [x for x in out_leaves if _is_array(x)]
+
+        jaxpr = jax.make_jaxpr(flat_fn)(
+            *[jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type) for s in specs]
+        )
+        traced = _Traced(
+            jaxpr, out_store["tree"], out_store["static"], [a.dtype for a in jaxpr.out_avals]
+        )
+        if key is not None and not any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts):
+            self._traces[key] = traced
+            if len(self._traces) > _TRACE_CACHE_SIZE:
+                self._traces.popitem(last=False)
+        return traced
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+        traced = self._trace(in_tree, leaves, dynamic)
+        closed = traced.jaxpr
+        outs = eval_jaxpr(closed.jaxpr, closed.consts, [leaves[i] for i in dynamic], self._context())
+        outs = iter(
+            cast_value(x, d) if _castable(x, d) else x for x, d in zip(outs, traced.out_dtypes)
+        )
+        out_leaves = [next(outs) if s is None else s for s in traced.out_static]
+        return jax.tree_util.tree_unflatten(traced.out_tree, out_leaves)
+
+
+@overload
+def amp(fn: F, *, compute_dtype: Any = None, amp_policy: Any = None) -> F: ...
+@overload
+def amp(*, compute_dtype: Any = None, amp_policy: Any = None) -> Callable[[F], F]: ...
+
+
+def amp(
+    fn: Callable[..., Any] | None = None,
+    *,
+    compute_dtype: Any = None,
+    amp_policy: Mapping[Any, Callable[..., Any]] | None = None,
+) -> Any:
+    """Runs ``fn`` in mixed precision: matrix work in ``compute_dtype``, delicate parts in float32.
+
+    ``fn`` is traced once per input structure and avals, then each of its equations is
+    evaluated under ``amp_policy`` (default :data:`autocast.default_amp_policy`): matrix
+    products and convolutions in ``compute_dtype`` (default :func:`autocast.half_dtype`),
+    exponentials, logarithms and reductions in float32, cheap elementwise work in whatever
+    dtype its inputs arrive in. The result has exactly the structure, shapes and dtypes of
+    ``fn``'s, and gradients come back in the dtypes of the inputs. Integer, boolean and
+    float64 values are never cast. Works under and around ``jax.jit``, ``jax.grad`` and
+    ``jax.vmap``. Usable as ``@amp`` and ``@amp(compute_dtype=...)``.
+
+    ``amp_policy`` maps ``jax.named_scope`` names and primitives to precision functions; the
+    outermost matching scope wins, then the primitive, then the key ``"amp_default"``. A
+    policy you pass replaces the default: extend it with ``{**autocast.default_amp_policy,
+    ...}``.
+
+    >>> import autocast, jax, jax.numpy as jnp
+    >>> def layer(w, x):
+    ...     return jax.nn.relu(x @ w).sum()
+    >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    >>> autocast.amp(layer, compute_dtype=jnp.bfloat16)(w, x)
+    Array(32., dtype=float32)
+    >>> jaxpr = jax.make_jaxpr(autocast.amp(layer, compute_dtype=jnp.bfloat16))(w, x)
+    >>> [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    [dtype(bfloat16)]
+    """
+    if fn is None:
+        return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=amp_policy)
+    if not callable(fn):
+        raise TypeError(f"amp expects a callable, got {type(fn).__name__}")
+    return _Amp(fn, compute_dtype, amp_policy)
+
+
+AMP_STOP = "amp_stop"
+
+
+@overload
+def amp_stop(fn: F) -> F: ...
+@overload
+def amp_stop(fn: None = None) -> contextlib.AbstractContextManager[None]: ...
+
+
+def amp_stop(fn: Callable[..., Any] | None = None) -> Any:
+    """Keeps original precision inside: a context manager, or a decorator.
+
+    It opens the named scope ``"amp_stop"``, which the default policy maps to original
+    precision; the policy's other rules do not reach inside.
+
+    >>> import autocast, jax, jax.numpy as jnp
+    >>> @autocast.amp_stop
+    ... def precise(w, x):
+    ...     return x @ w
+    >>> def f(w, x):
+    ...     with autocast.amp_stop():
+    ...         y = x @ w
+    ...     return precise(w, y) + x @ w
+    >>> jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=jnp.bfloat16))(jnp.ones((2, 2)), jnp.ones((2, 2)))
+    >>> [e.outvars[0].aval.dtype.name for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    ['float32', 'float32', 'bfloat16']
+    """
+    if fn is None:
+        return _amp_stop_scope()
+    if not callable(fn):
+        raise TypeError(f"amp_stop decorates a callable, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _amp_stop_scope():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _amp_stop_scope() -> Iterator[None]:
+    with jax.named_scope(AMP_STOP):
+        yield
