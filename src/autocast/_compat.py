@@ -71,11 +71,12 @@ def literal_value(lit: Any) -> Any:
     """A literal's value, with the dtype the jaxpr recorded for it.
 
     Newer JAX stores literals as float/int subclasses that carry their dtype; NumPy would read
-    them back as 64-bit. Scalars come back as NumPy scalars of the recorded dtype.
+    them back as 64-bit; older JAX sometimes stores a 0-d array. Scalars come back as NumPy
+    scalars of the recorded dtype, which amp casts on the host.
     """
     dtype = lit.aval.dtype
     val = lit.val
-    if np.ndim(val) == 0 and not isinstance(val, jax.Array):
+    if np.ndim(val) == 0:
         return np.asarray(val, dtype=dtype)[()]
     return val
 

@@ -108,9 +108,9 @@ def adapt_weak(
 ) -> list[Any]:
     """Casts WEAK floating inputs to the widest dtype of the other floating inputs.
 
-    ``broadcasts[i]``, when given, is the ``(equation, operand)`` that broadcast input ``i``
-    from a WEAK value: the operand is cast and broadcast again, so a constant such as the
-    ``-1e9`` of an attention mask is cast as a scalar rather than as a whole array.
+    ``broadcasts[i]``, when given, is the ``(equation, operand)`` that broadcast input ``i``:
+    the operand is cast and broadcast again, so a constant such as the ``-1e9`` of an
+    attention mask is cast as a scalar, and a bias as a vector, rather than as a whole array.
     """
     others = {x.dtype for x, k, o in zip(invals, kinds, original) if k != WEAK and _castable(x, o)}
     if not others:
@@ -166,6 +166,9 @@ def apply_first_order(
     invars, params = _checked_rule_output(
         rule, eqn, rule(ctx.compute_dtype, original, *invals, **eqn.params), len(invals)
     )
+    if eqn.primitive.name == "convert_element_type" and isinstance(invars[0], np.generic):
+        # A cast of a constant is folded on the host, so it costs no equation.
+        return cast_value(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
     return _compat.bind_equation(eqn, invars, params)
 
@@ -196,7 +199,7 @@ def _eval_jaxpr(
 
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
-    # WEAK values made by broadcasting a WEAK operand: how to make them again in another dtype.
+    # WEAK values made by broadcasting: how to make them again in another dtype.
     broadcast_of: dict[Any, tuple[Any, Any]] = {}
     for var, value in zip(jaxpr.constvars, consts):
         env[var] = value
@@ -237,7 +240,7 @@ def _eval_jaxpr(
                 continue
             env[var] = value
             kind_of[var] = kind
-        if eqn.primitive.name == _BROADCAST and kinds[0] == WEAK:
+        if eqn.primitive.name == _BROADCAST and kind == WEAK:
             broadcast_of[eqn.outvars[0]] = (eqn, invals[0])
 
     return [
