@@ -7,6 +7,7 @@ JAX upgrade is met in this one file. Supported: JAX 0.6.2 to 0.10.x.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import Any, Iterator, Sequence
 
@@ -62,6 +63,18 @@ def bind_equation(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> An
     return eqn.primitive.bind(*invals, **bind_params)
 
 
+_convert_p = jex.primitives.convert_element_type_p
+
+
+def convert(x: Any, dtype: Any) -> Any:
+    """``x`` cast to ``dtype`` by binding the primitive directly.
+
+    ``lax.convert_element_type`` does the same with much more Python around it; amp emits
+    hundreds of casts per model, so the trace-time difference shows.
+    """
+    return _convert_p.bind(x, new_dtype=np.dtype(dtype), weak_type=False, sharding=None)
+
+
 def is_drop_var(var: Any) -> bool:
     """True for the placeholder output variable of an equation whose result is unused."""
     return type(var).__name__ == "DropVar"
@@ -91,8 +104,14 @@ def scope_names(eqn: Any) -> tuple[str, ...]:
     policy also governs the derivative of what it contains. A scope name that an older
     transformation flattened into text such as ``"transpose(jvp(mlp))"`` is unwrapped too.
     """
+    return _scope_names(eqn.source_info.name_stack)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scope_names(name_stack: Any) -> tuple[str, ...]:
+    # Name stacks are immutable and shared by the equations traced under them: read each once.
     names = []
-    for item in eqn.source_info.name_stack.stack:
+    for item in name_stack.stack:
         if type(item).__name__ != "Scope":
             continue
         for part in item.name.split("/"):
@@ -111,17 +130,30 @@ def current_scope_names() -> tuple[str, ...]:
     )
 
 
-@contextlib.contextmanager
-def equation_context(eqn: Any) -> Iterator[None]:
+class equation_context:
     """Re-emits ``eqn`` with the traceback, name stack and config context it was traced with.
 
     Without this, equations that amp re-binds lose their ``jax.named_scope`` names (which
     later passes, profiles and ``checkpoint_name`` policies rely on) and their source lines.
+    A class rather than a generator: it is entered once per equation of every model.
     """
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-        with eqn.ctx.manager:
-            yield
+
+    __slots__ = ("eqn", "user", "config")
+
+    def __init__(self, eqn: Any) -> None:
+        self.eqn = eqn
+
+    def __enter__(self) -> None:
+        info = self.eqn.source_info
+        name_stack = source_info_util.current_name_stack() + info.name_stack
+        self.user = source_info_util.user_context(info.traceback, name_stack=name_stack)
+        self.user.__enter__()
+        self.config = self.eqn.ctx.manager
+        self.config.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.config.__exit__(*exc)
+        return self.user.__exit__(*exc)
 
 
 def sub_jaxpr_params(params: dict[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ raises: it is never bound unchanged, which would silently skip everything inside
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Sequence
 
 import jax
@@ -22,6 +23,39 @@ from autocast.rules import _castable, cast_value, use_original_precision
 Handler = Callable[[Any, list, Sequence[int], Context], Sequence[Any]]
 
 
+class _IdentityCache:
+    """A bounded LRU cache whose keys name objects by ``id``; each entry holds those objects,
+    so no id can be reused by another object while its entry lives.
+
+    Shared by every amp-wrapped function: re-wrapping a function (as a train step re-traced
+    for a new shape does) reuses the re-traced helpers, and with them JAX's own lowering
+    caches.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: tuple, held: tuple) -> Any:
+        entry = self._entries.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], held)):
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: tuple, held: tuple, value: Any) -> None:
+        self._entries[key] = (held, value)
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+
+_TRACES = _IdentityCache(4096)
+
+
+def _context_key(ctx: Context) -> tuple:
+    return (id(ctx.policy), ctx.compute_dtype, ctx.scopes)
+
+
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     aval = _compat.aval_of(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
@@ -30,7 +64,7 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
 def retrace(
     closed: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context
 ) -> Any:
-    """``closed`` re-traced under ``ctx`` for the avals of ``invals``; cached per amp function.
+    """``closed`` re-traced under ``ctx`` for the avals of ``invals``; cached.
 
     Inputs that are literals in the enclosing jaxpr (NumPy scalars here) are used by value
     inside, so casting them costs nothing at run time; they are still passed, unused, to keep
@@ -43,18 +77,19 @@ def retrace(
         tuple((s.shape, s.dtype, s.weak_type) for s in specs),
         tuple(kinds),
         tuple((i, x.dtype, x.item()) for i, x in literals.items()),
-        ctx.scopes,
+        _context_key(ctx),
     )
-    hit = ctx.cache.get(key)
-    if hit is not None and hit[0] is closed:
-        return hit[1]
+    held = (closed, ctx.policy)
+    hit = _TRACES.get(key, held)
+    if hit is not None:
+        return hit
 
     def interpret(*args: Any) -> list[Any]:
         args = [literals.get(i, a) for i, a in enumerate(args)]
         return eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, kinds)
 
     traced = jax.make_jaxpr(interpret)(*specs)
-    ctx.cache[key] = (closed, traced)  # holding `closed` keeps its id from being reused
+    _TRACES.put(key, held, traced)
     return traced
 
 
@@ -75,9 +110,9 @@ def _custom_jvp_rule_jaxpr(eqn: Any, ctx: Context) -> Any:
     """The jaxpr of ``eqn``'s own JVP rule at the original dtypes: primals and float tangents
     in, primal and float tangent outputs out. Traced once per equation."""
     key = ("custom_jvp_rule", id(eqn))
-    hit = ctx.cache.get(key)
-    if hit is not None and hit[0] is eqn:
-        return hit[1]
+    hit = _TRACES.get(key, (eqn,))
+    if hit is not None:
+        return hit
     in_avals = [v.aval for v in eqn.invars]
     diff = [_inexact(a.dtype) for a in in_avals]
     out_diff = [_inexact(v.aval.dtype) for v in eqn.outvars]
@@ -95,7 +130,7 @@ def _custom_jvp_rule_jaxpr(eqn: Any, ctx: Context) -> Any:
 
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
     traced = jax.make_jaxpr(rule)(*specs, *[s for s, d in zip(specs, diff) if d])
-    ctx.cache[key] = (eqn, traced)
+    _TRACES.put(key, (eqn,), traced)
     return traced
 
 

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
-from autocast.rules import PrecisionFn, _castable, cast_memo, cast_value, use_original_precision
+from autocast.rules import (
+    PrecisionFn,
+    _castable,
+    cast_memo,
+    cast_value,
+    use_input_precision,
+    use_original_precision,
+)
 
 STRONG, RAW, WEAK = 0, 1, 2
 
@@ -49,6 +56,11 @@ def _is_float(dtype: Any) -> bool:
 
 def output_kind(name: str, invals: Sequence[Any], kinds: Sequence[int]) -> int:
     """The kind of an equation's outputs, from its primitive and its inputs' kinds."""
+    if STRONG in kinds and name not in _MOVEMENT:
+        # Fast path for most of a model; a STRONG input can still be an integer index of a
+        # WEAK or RAW float value (a gather), which the slow path below sees.
+        if any(k == STRONG and _is_float(x.dtype) for k, x in zip(kinds, invals)):
+            return STRONG
     if all(k == WEAK for k in kinds):
         return WEAK
     float_kinds = [k for k, x in zip(kinds, invals) if _is_float(x.dtype)]
@@ -71,8 +83,6 @@ class Context:
     # Named scopes enclosing the jaxpr being evaluated: the caller's, then those of the
     # higher-order equations we descended through (inner jaxprs record scopes relative to them).
     scopes: tuple[str, ...] = ()
-    # Re-traced sub-jaxprs, shared by every context of one amp-wrapped function.
-    cache: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def enter(self, eqn: Any) -> Context:
         """The context for the sub-jaxprs of ``eqn``."""
@@ -100,37 +110,62 @@ def decide(eqn: Any, ctx: Context) -> PrecisionFn:
     return rule
 
 
-def adapt_weak(
-    invals: list[Any],
-    kinds: Sequence[int],
-    original: Sequence[Any],
-    broadcasts: Sequence[Any] = (),
-) -> list[Any]:
-    """Casts WEAK floating inputs to the widest dtype of the other floating inputs.
+class Deferred:
+    """A broadcast of a WEAK value, not yet emitted: its dtype is decided by its first use.
 
-    ``broadcasts[i]``, when given, is the ``(equation, operand)`` that broadcast input ``i``:
-    the operand is cast and broadcast again, so a constant such as the ``-1e9`` of an
-    attention mask is cast as a scalar, and a bias as a vector, rather than as a whole array.
+    Broadcasting a bias, a layer-norm gain or the ``-1e9`` of a mask and then casting the big
+    result would cost a full-size cast; emitting the broadcast only once the dtype it must
+    have is known casts the small operand instead (a constant costs nothing at all).
     """
+
+    __slots__ = ("eqn", "operand", "dtype", "_made")
+
+    def __init__(self, eqn: Any, operand: Any) -> None:
+        self.eqn = eqn
+        self.operand = operand
+        self.dtype = operand.dtype
+        self._made: dict[Any, Any] = {}
+
+    def materialize(self, dtype: Any = None) -> Any:
+        """The broadcast value in ``dtype`` (default: the operand's), emitted once per dtype."""
+        dtype = self.dtype if dtype is None else dtype
+        made = self._made.get(dtype)
+        if made is None:
+            with _compat.equation_context(self.eqn):
+                operand = self.operand
+                if isinstance(operand, Deferred):
+                    operand = operand.materialize(dtype)
+                else:
+                    operand = cast_value(operand, dtype)
+                made = self._made[dtype] = _compat.bind_equation(
+                    self.eqn, [operand], self.eqn.params
+                )
+        return made
+
+
+def _materialized(x: Any) -> Any:
+    return x.materialize() if isinstance(x, Deferred) else x
+
+
+def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
+    """Casts WEAK floating inputs to the widest dtype of the other floating inputs."""
     others = {x.dtype for x, k, o in zip(invals, kinds, original) if k != WEAK and _castable(x, o)}
     if not others:
-        return invals
+        return [_materialized(x) for x in invals]
     target = next(iter(others)) if len(others) == 1 else jnp.result_type(*others)
-    adapted = list(invals)
-    for i, (x, k, o) in enumerate(zip(invals, kinds, original)):
-        if k != WEAK or not _castable(x, o) or x.dtype == target:
-            continue
-        recipe = broadcasts[i] if broadcasts else None
-        if recipe is None:
-            adapted[i] = cast_value(x, target)
-        else:
-            eqn, operand = recipe
-            with _compat.equation_context(eqn):
-                adapted[i] = _compat.bind_equation(eqn, [cast_value(operand, target)], eqn.params)
+    adapted = []
+    for x, k, o in zip(invals, kinds, original):
+        if k == WEAK and _castable(x, o) and x.dtype != target:
+            x = x.materialize(target) if isinstance(x, Deferred) else cast_value(x, target)
+        adapted.append(_materialized(x))
     return adapted
 
 
 def _checked_rule_output(rule: PrecisionFn, eqn: Any, result: Any, n_in: int) -> tuple:
+    if type(result) is tuple and len(result) == 2:
+        invars, params = result
+        if len(invars) == n_in and type(params) is dict:
+            return invars, params
     name = getattr(rule, "__name__", repr(rule))
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(
@@ -151,17 +186,11 @@ def _checked_rule_output(rule: PrecisionFn, eqn: Any, result: Any, n_in: int) ->
     return invars, dict(params)
 
 
-def apply_first_order(
-    eqn: Any,
-    invals: list[Any],
-    kinds: Sequence[int],
-    ctx: Context,
-    broadcasts: Sequence[Any] = (),
-) -> Any:
+def apply_first_order(eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context) -> Any:
     """Decides, casts and binds one first-order equation."""
     original = [v.aval.dtype for v in eqn.invars]
     if WEAK in kinds:
-        invals = adapt_weak(invals, kinds, original, broadcasts)
+        invals = adapt_weak(invals, kinds, original)
     rule = decide(eqn, ctx)
     invars, params = _checked_rule_output(
         rule, eqn, rule(ctx.compute_dtype, original, *invals, **eqn.params), len(invals)
@@ -199,8 +228,6 @@ def _eval_jaxpr(
 
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
-    # WEAK values made by broadcasting: how to make them again in another dtype.
-    broadcast_of: dict[Any, tuple[Any, Any]] = {}
     for var, value in zip(jaxpr.constvars, consts):
         env[var] = value
         kind_of[var] = RAW
@@ -218,32 +245,27 @@ def _eval_jaxpr(
             else:
                 invals.append(env[var])
                 kinds.append(kind_of[var])
+        kind = output_kind(eqn.primitive.name, invals, kinds)
         handler = handler_for(eqn, ctx)
+        if handler is None and kind == WEAK and eqn.primitive.name == _BROADCAST:
+            if decide(eqn, ctx) is use_input_precision:
+                env[eqn.outvars[0]] = Deferred(eqn, invals[0])
+                kind_of[eqn.outvars[0]] = kind
+                continue
         with _compat.equation_context(eqn):
             if handler is None:
-                broadcasts = (
-                    [
-                        None if isinstance(v, _compat.Literal) else broadcast_of.get(v)
-                        for v in eqn.invars
-                    ]
-                    if broadcast_of and WEAK in kinds
-                    else ()
-                )
-                outs = apply_first_order(eqn, invals, kinds, ctx, broadcasts)
+                outs = apply_first_order(eqn, invals, kinds, ctx)
             else:
-                outs = handler(eqn, invals, kinds, ctx)
+                outs = handler(eqn, [_materialized(x) for x in invals], kinds, ctx)
         if not eqn.primitive.multiple_results:
             outs = (outs,)
-        kind = output_kind(eqn.primitive.name, invals, kinds)
         for var, value in zip(eqn.outvars, outs):
             if _compat.is_drop_var(var):
                 continue
             env[var] = value
             kind_of[var] = kind
-        if eqn.primitive.name == _BROADCAST and kind == WEAK:
-            broadcast_of[eqn.outvars[0]] = (eqn, invals[0])
 
     return [
-        _compat.literal_value(v) if isinstance(v, _compat.Literal) else env[v]
+        _compat.literal_value(v) if isinstance(v, _compat.Literal) else _materialized(env[v])
         for v in jaxpr.outvars
     ]

@@ -17,11 +17,11 @@ precision, so an unknown primitive is never silently degraded.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from autocast import _compat
 
@@ -34,16 +34,20 @@ _F64 = np.dtype(np.float64)
 _RESULT_DTYPE_PARAMS = ("preferred_element_type", "out_dtype")
 
 
-def _castable(x: Any, original: Any) -> bool:
-    """Floating-point, not float64, now and in the original program."""
-    dtype = getattr(x, "dtype", None)
-    return (
-        dtype is not None
-        and jnp.issubdtype(dtype, jnp.floating)
+@functools.lru_cache(maxsize=None)
+def _castable_dtypes(dtype: Any, original: Any) -> bool:
+    return bool(
+        jnp.issubdtype(dtype, jnp.floating)
         and dtype != _F64
         and jnp.issubdtype(original, jnp.floating)
         and original != _F64
     )
+
+
+def _castable(x: Any, original: Any) -> bool:
+    """Floating-point, not float64, now and in the original program."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and _castable_dtypes(dtype, original)
 
 
 # One memo per jaxpr being evaluated (innermost last): a value used by several equations is
@@ -68,12 +72,12 @@ def cast_value(x: Any, dtype: Any) -> Any:
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x).astype(dtype)
     if not _cast_memos:
-        return lax.convert_element_type(x, dtype)
+        return _compat.convert(x, dtype)
     memo = _cast_memos[-1]
-    key = (id(x), np.dtype(dtype))
+    key = (id(x), dtype)
     hit = memo.get(key)
     if hit is None:
-        hit = memo[key] = (x, lax.convert_element_type(x, dtype))
+        hit = memo[key] = (x, _compat.convert(x, dtype))
     return hit[1]
 
 
@@ -126,8 +130,10 @@ def use_original_precision(
 
 
 def _widest(invars: Sequence[Any], original_dtypes: Sequence[Any]) -> Any:
-    dtypes = [x.dtype for x, o in zip(invars, original_dtypes) if _castable(x, o)]
-    return jnp.result_type(*dtypes) if dtypes else None
+    dtypes = {x.dtype for x, o in zip(invars, original_dtypes) if _castable(x, o)}
+    if len(dtypes) <= 1:
+        return next(iter(dtypes), None)
+    return np.dtype(jnp.result_type(*dtypes))
 
 
 def use_widest_precision(

@@ -69,7 +69,6 @@ class _Amp:
         self._policy = policy
         self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
         self._traces: collections.OrderedDict = collections.OrderedDict()
-        self._subjaxpr_cache: dict = {}
         functools.update_wrapper(self, fn)
 
     def _context(self) -> Context:
@@ -80,7 +79,6 @@ class _Amp:
             policy=self._policy,
             scope_keys=self._scope_keys,
             scopes=_compat.current_scope_names(),
-            cache=self._subjaxpr_cache,
         )
 
     def _trace(self, in_tree: Any, leaves: list, dynamic: list[int]) -> _Traced:

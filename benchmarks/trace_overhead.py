@@ -1,0 +1,67 @@
+"""Trace overhead of amp (SPEC 5): wall time of ``jax.jit(amp(f)).lower(...)`` over
+``jax.jit(f).lower(...)`` on a 12-layer unrolled GPT-style transformer.
+
+Run: ``.venv/bin/python benchmarks/trace_overhead.py [--layers 12] [--repeats 5]``
+Each repeat wraps the functions afresh, so every lowering traces from scratch, and the two
+alternate so both meet the same machine load. The best of the repeats is reported: tracing
+is deterministic CPU work, so the fastest run is the one least disturbed by anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+import autocast
+from autocast import _models
+
+
+def _lower_seconds(make_fn, args) -> float:
+    fn = make_fn()
+    start = time.perf_counter()
+    jax.jit(fn).lower(*args)
+    return time.perf_counter() - start
+
+
+def best_of_interleaved(make_a, make_b, args, repeats: int) -> tuple[float, float]:
+    """Best lowering time of each, alternating a and b so both meet the same machine load."""
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(_lower_seconds(make_a, args))
+        b.append(_lower_seconds(make_b, args))
+    return min(a), min(b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--grad", action="store_true", help="lower the gradient instead")
+    args = parser.parse_args()
+
+    key = jax.random.PRNGKey(0)
+    params = _models.init_gpt(key, layers=args.layers, d=64, seq=32)
+    tokens = _models.gpt_batch(key, seq=32)
+
+    def plain():
+        f = lambda p, t: _models.gpt_loss(p, t)  # noqa: E731 - a fresh function defeats caches
+        return jax.grad(f) if args.grad else f
+
+    def amped():
+        f = autocast.amp(lambda p, t: _models.gpt_loss(p, t), compute_dtype=jnp.bfloat16)
+        return jax.grad(f) if args.grad else f
+
+    best_of_interleaved(plain, amped, (params, tokens), 1)  # warm JAX's own caches
+    base, mixed = best_of_interleaved(plain, amped, (params, tokens), args.repeats)
+    what = "grad of " if args.grad else ""
+    print(f"jax {jax.__version__}, {what}{args.layers}-layer unrolled GPT, best of {args.repeats}")
+    print(f"jit(f).lower:      {base * 1e3:8.1f} ms")
+    print(f"jit(amp(f)).lower: {mixed * 1e3:8.1f} ms")
+    print(f"ratio:             {mixed / base:8.2f}x  (target <= 1.6x)")
+
+
+if __name__ == "__main__":
+    main()
