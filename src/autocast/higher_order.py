@@ -118,11 +118,11 @@ def _custom_jvp_rule_jaxpr(eqn: Any, ctx: Context) -> Any:
     out_diff = [_inexact(v.aval.dtype) for v in eqn.outvars]
 
     def rule(*args: Any) -> list[Any]:
-        primals = args[: len(in_avals)]
+        primals = tuple(args[: len(in_avals)])
         it = iter(args[len(in_avals) :])
-        tangents = [
+        tangents = tuple(
             next(it) if d else np.zeros(a.shape, jax.dtypes.float0) for a, d in zip(in_avals, diff)
-        ]
+        )
         outs, out_tangents = jax.jvp(
             lambda *p: _as_list(eqn, _compat.bind_equation(eqn, p, eqn.params)), primals, tangents
         )
