@@ -265,8 +265,10 @@ def test_float32_compute_is_bit_identical(prog, seed, specials):
 def test_float32_compute_has_bit_identical_gradients(prog, seed, specials):
     floats, others = make_inputs(prog, seed, specials=specials)
     amp_fn = autocast.amp(prog, compute_dtype=jnp.float32)
-    got = jax.grad(loss(amp_fn, others))(floats)
-    want = jax.grad(loss(prog, others))(floats)
+    # Compared under jit: eagerly, JAX 0.6 runs the jnp helpers that amp's trace inlines
+    # (jnp.tanh...) as fused XLA calls, which can differ from op-by-op in the last bit.
+    got = jax.jit(jax.grad(loss(amp_fn, others)))(floats)
+    want = jax.jit(jax.grad(loss(prog, others)))(floats)
     assert set(got) == set(floats)
     assert_trees_bitwise_equal(got, want)
 
@@ -285,7 +287,8 @@ def test_float32_compute_has_bit_identical_gradients(prog, seed, specials):
 )
 def test_gradients_keep_primal_dtypes(prog, seed, dtypes, compute):
     floats, others = make_inputs(prog, seed, dtypes=dtypes)
-    grads = jax.grad(loss(autocast.amp(prog, compute_dtype=compute), others))(floats)
+    # Abstract evaluation traces exactly what a call would, without running it.
+    grads = jax.eval_shape(jax.grad(loss(autocast.amp(prog, compute_dtype=compute), others)), floats)
     assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(floats)
     for k, x in floats.items():
         assert grads[k].dtype == x.dtype, (k, grads[k].dtype, x.dtype)
@@ -395,7 +398,7 @@ def test_repeated_calls_with_same_avals_do_not_retrace(prog, seeds):
     for floats, others in rest:
         amp_fn(floats, others)
         # grad calls amp with tracers of the same avals: still no new trace.
-        jax.grad(loss(amp_fn, others))(floats)
+        jax.eval_shape(jax.grad(loss(amp_fn, others)), floats)
     assert len(calls) == 1
     assert avals(out) == avals(prog(*first))
 

@@ -1,0 +1,72 @@
+"""What amp does to a model, read off its jaxpr (SPEC 5): for a float32 MLP and a small
+GPT-style transformer, compare float32, the same model cast to bfloat16 by hand (float32
+layer norm, softmax and loss), and amp with bfloat16 compute.
+
+Columns: loss (and its deviation from float32), share of matmul FLOPs with 16-bit operands
+forward and backward, float-to-float casts in the forward and gradient jaxprs, casts that
+round-trip (a -> b -> a), and bytes of the residuals jax.vjp keeps (activation memory).
+
+Run: ``.venv/bin/python benchmarks/mixed_precision.py``
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import autocast
+from autocast import _measure, _models
+
+
+def measure(fn, args, reference_loss):
+    fwd = jax.make_jaxpr(fn)(*args)
+    bwd = jax.make_jaxpr(jax.grad(fn))(*args)
+    loss = float(jax.jit(fn)(*args))
+    return {
+        "loss": loss,
+        "loss_dev": abs(loss - reference_loss) / abs(reference_loss),
+        "share_fwd": _measure.low_precision_flop_share(fwd),
+        "share_bwd": _measure.low_precision_flop_share(bwd),
+        "casts_fwd": _measure.count_casts(fwd),
+        "casts_bwd": _measure.count_casts(bwd),
+        "waste": _measure.wasted_casts(fwd) + _measure.wasted_casts(bwd),
+        "residual_bytes": _measure.residual_bytes(fn, *args),
+    }
+
+
+def models():
+    key = jax.random.PRNGKey(0)
+    mlp_params = _models.init_mlp(key, (256, 512, 512, 10))
+    x = jax.random.normal(key, (128, 256))
+    y = jnp.arange(128) % 10
+    yield "MLP", _models.mlp_loss, (mlp_params, x, y)
+    gpt_params = _models.init_gpt(key, vocab=256, d=128, layers=4, seq=64)
+    tokens = _models.gpt_batch(key, batch=8, seq=64, vocab=256)
+    yield "GPT", _models.gpt_loss, (gpt_params, tokens)
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}")
+    header = f"{'model':5} {'variant':9} {'loss':>8} {'dev':>7} {'bf16 fwd':>8} {'bf16 bwd':>8} " \
+             f"{'casts f/b':>10} {'waste':>5} {'resid MB':>8} {'vs f32':>6} {'vs hand':>7}"
+    print(header)
+    for name, loss_fn, args in models():
+        variants = {
+            "float32": loss_fn,
+            "hand bf16": lambda *a, f=loss_fn: f(*a, jnp.bfloat16),
+            "amp bf16": autocast.amp(loss_fn, compute_dtype=jnp.bfloat16),
+        }
+        ref = float(jax.jit(loss_fn)(*args))
+        rows = {k: measure(f, args, ref) for k, f in variants.items()}
+        for k, r in rows.items():
+            print(
+                f"{name:5} {k:9} {r['loss']:8.4f} {r['loss_dev']:7.2%} {r['share_fwd']:8.1%} "
+                f"{r['share_bwd']:8.1%} {r['casts_fwd']:>4}/{r['casts_bwd']:<5} {r['waste']:>5} "
+                f"{r['residual_bytes'] / 2**20:8.2f} "
+                f"{r['residual_bytes'] / rows['float32']['residual_bytes']:6.2f} "
+                f"{r['residual_bytes'] / rows['hand bf16']['residual_bytes']:7.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

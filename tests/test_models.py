@@ -1,0 +1,68 @@
+"""End to end on the reference models: amp against float32 and against a careful hand cast
+(SPEC 5 measures; the targets of the amp-transform issue)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autocast
+from autocast import _measure, _models
+
+
+def _cases():
+    key = jax.random.PRNGKey(0)
+    mlp = _models.init_mlp(key, (32, 64, 64, 10))
+    x = jax.random.normal(key, (16, 32))
+    yield "mlp", _models.mlp_loss, (mlp, x, jnp.arange(16) % 10)
+    gpt = _models.init_gpt(key, vocab=64, d=32, layers=2, seq=16)
+    yield "gpt", _models.gpt_loss, (gpt, _models.gpt_batch(key))
+
+
+CASES = {name: (fn, args) for name, fn, args in _cases()}
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    fn, args = CASES[request.param]
+    return fn, args, autocast.amp(fn, compute_dtype=jnp.bfloat16)
+
+
+def test_loss_within_one_percent_of_float32(case):
+    fn, args, amp_fn = case
+    ref = float(jax.jit(fn)(*args))
+    assert abs(float(jax.jit(amp_fn)(*args)) - ref) <= 0.01 * abs(ref)
+
+
+def test_all_matmul_flops_run_in_bfloat16_forward_and_backward(case):
+    fn, args, amp_fn = case
+    assert _measure.low_precision_flop_share(jax.make_jaxpr(amp_fn)(*args)) >= 0.99
+    assert _measure.low_precision_flop_share(jax.make_jaxpr(jax.grad(amp_fn))(*args)) >= 0.99
+
+
+def test_no_more_casts_than_the_hand_cast_model(case):
+    fn, args, amp_fn = case
+    hand = lambda *a: fn(*a, jnp.bfloat16)  # noqa: E731
+    for transform in (lambda f: f, jax.grad):
+        amp_jaxpr = jax.make_jaxpr(transform(amp_fn))(*args)
+        hand_jaxpr = jax.make_jaxpr(transform(hand))(*args)
+        assert _measure.count_casts(amp_jaxpr) <= _measure.count_casts(hand_jaxpr)
+        assert _measure.wasted_casts(amp_jaxpr) == 0
+
+
+def test_activation_memory_falls(case):
+    fn, args, amp_fn = case
+    ours = _measure.residual_bytes(amp_fn, *args)
+    assert ours <= 0.65 * _measure.residual_bytes(fn, *args)
+    assert ours <= 1.05 * _measure.residual_bytes(lambda *a: fn(*a, jnp.bfloat16), *args)
+
+
+def test_gradients_close_to_float32(case):
+    fn, args, amp_fn = case
+    g_ref = jax.jit(jax.grad(fn))(*args)
+    g_amp = jax.jit(jax.grad(amp_fn))(*args)
+    for a, b in zip(jax.tree_util.tree_leaves(g_amp), jax.tree_util.tree_leaves(g_ref)):
+        assert a.dtype == b.dtype
+        scale = float(jnp.max(jnp.abs(b))) + 1e-6
+        assert float(jnp.max(jnp.abs(a - b))) <= 0.05 * scale
