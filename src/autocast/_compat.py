@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import re
 from typing import Any, Iterator, Sequence
 
@@ -29,7 +30,7 @@ def primitive_by_name(name: str) -> Primitive | None:
     """The primitive called ``name`` in this JAX version, or None if it has none by that name.
 
     Most primitives are public in ``jax.extend.core.primitives`` or ``jax.lax``; a few (the
-    ragged dot) are only reachable inside ``jax._src``.
+    ragged dot, and ``checkpoint_name``'s primitive before JAX 0.7) only inside ``jax._src``.
     """
     attr = name.replace("-", "_") + "_p"
     for module in _primitive_modules():
@@ -42,12 +43,11 @@ def primitive_by_name(name: str) -> Primitive | None:
 def _primitive_modules() -> Iterator[Any]:
     yield jex.primitives
     yield jax.lax
-    try:
-        from jax._src.lax import lax as lax_internal
-
-        yield lax_internal
-    except ImportError:  # pragma: no cover - layout of a future JAX
-        pass
+    for internal in ("jax._src.lax.lax", "jax._src.ad_checkpoint"):
+        try:
+            yield importlib.import_module(internal)
+        except ImportError:  # pragma: no cover - layout of a future JAX
+            pass
 
 
 def bind_equation(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> Any:
@@ -166,9 +166,20 @@ def sub_jaxpr_params(params: dict[str, Any]) -> list[str]:
     return found
 
 
-def custom_jvp_parts(eqn: Any) -> tuple[ClosedJaxpr, int]:
-    """The primal jaxpr of a ``custom_jvp_call`` equation and its number of leading consts."""
-    return eqn.params["call_jaxpr"], eqn.params.get("num_consts", 0)
+def custom_call_jaxpr(eqn: Any) -> ClosedJaxpr:
+    """The primal jaxpr of a ``custom_jvp_call`` or ``custom_vjp_call`` equation."""
+    call = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    return call if isinstance(call, ClosedJaxpr) else ClosedJaxpr(call, ())
+
+
+def open_jaxpr(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
+    """A closed jaxpr as an open one without constants, which primitives such as
+    ``checkpoint``, ``shard_map`` and ``pmap`` require: the constants become leading inputs."""
+    if not closed.consts:
+        return closed.jaxpr, []
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
 
 
 def aval_of(x: Any) -> Any:

@@ -2,14 +2,14 @@
 
 A handler re-interprets the sub-jaxpr under the policy with the dtypes its inputs actually
 have (a bfloat16 activation entering a jitted helper stays bfloat16) and binds the primitive
-again with the re-traced sub-jaxpr and its other parameters unchanged. Adding support for a
-primitive is one function and one table entry. A primitive with sub-jaxprs that has no entry
-raises: it is never bound unchanged, which would silently skip everything inside it.
+again with the re-traced sub-jaxpr and its other parameters unchanged (shardings, donation,
+remat policies, names). Adding support for a primitive is one function and one table entry.
+A primitive with sub-jaxprs that has no entry raises: it is never bound unchanged, which
+would silently skip everything inside it.
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Callable, Sequence
 
 import jax
@@ -17,100 +17,216 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
-from autocast.interpreter import Context, decide_by_scope, eval_jaxpr
+from autocast.interpreter import STRONG, WEAK, Context, decide_by_scope, eval_jaxpr
+from autocast.retrace import TRACES, literals_of, retrace, retrace_closed, spec_like, spec_of
 from autocast.rules import _castable, cast_value, use_original_precision
 
 Handler = Callable[[Any, list, Sequence[int], Context], Sequence[Any]]
 
 
-class _IdentityCache:
-    """A bounded LRU cache whose keys name objects by ``id``; each entry holds those objects,
-    so no id can be reused by another object while its entry lives.
-
-    Shared by every amp-wrapped function: re-wrapping a function (as a train step re-traced
-    for a new shape does) reuses the re-traced helpers, and with them JAX's own lowering
-    caches.
-    """
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-
-    def get(self, key: tuple, held: tuple) -> Any:
-        entry = self._entries.get(key)
-        if entry is None or any(a is not b for a, b in zip(entry[0], held)):
-            return None
-        self._entries.move_to_end(key)
-        return entry[1]
-
-    def put(self, key: tuple, held: tuple, value: Any) -> None:
-        self._entries[key] = (held, value)
-        if len(self._entries) > self._size:
-            self._entries.popitem(last=False)
+def _as_list(eqn: Any, outs: Any) -> list[Any]:
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-_TRACES = _IdentityCache(4096)
+def _inexact(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def _context_key(ctx: Context) -> tuple:
-    return (id(ctx.policy), ctx.compute_dtype, ctx.scopes)
+def _float0_zeros(aval: Any) -> np.ndarray:
+    return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    aval = _compat.aval_of(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+# --- calls --------------------------------------------------------------------------------------
 
-
-def retrace(
-    closed: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context
-) -> Any:
-    """``closed`` re-traced under ``ctx`` for the avals of ``invals``; cached.
-
-    Inputs that are literals in the enclosing jaxpr (NumPy scalars here) are used by value
-    inside, so casting them costs nothing at run time; they are still passed, unused, to keep
-    the equation's signature.
-    """
-    specs = [_abstract(x) for x in invals]
-    literals = {i: x for i, x in enumerate(invals) if isinstance(x, np.generic)}
-    key = (
-        id(closed),
-        tuple((s.shape, s.dtype, s.weak_type) for s in specs),
-        tuple(kinds),
-        tuple((i, x.dtype, x.item()) for i, x in literals.items()),
-        _context_key(ctx),
-    )
-    held = (closed, ctx.policy)
-    hit = _TRACES.get(key, held)
-    if hit is not None:
-        return hit
-
-    def interpret(*args: Any) -> list[Any]:
-        args = [literals.get(i, a) for i, a in enumerate(args)]
-        return eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, kinds)
-
-    traced = jax.make_jaxpr(interpret)(*specs)
-    _TRACES.put(key, held, traced)
-    return traced
+def _sole_casts(jaxpr: Any) -> dict[int, Any]:
+    """Inputs of ``jaxpr`` whose only use is one cast to another floating dtype: position ->
+    that dtype."""
+    uses: dict[Any, list] = {v: [] for v in jaxpr.invars}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal) and v in uses:
+                uses[v].append(eqn)
+    for v in jaxpr.outvars:
+        if not isinstance(v, _compat.Literal) and v in uses:
+            uses[v].append(None)
+    found = {}
+    for i, v in enumerate(jaxpr.invars):
+        if len(uses[v]) == 1 and uses[v][0] is not None:
+            eqn = uses[v][0]
+            if eqn.primitive.name == "convert_element_type" and _castable(v.aval, eqn.params["new_dtype"]):
+                found[i] = eqn.params["new_dtype"]
+    return found
 
 
 def _jit(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.jit`` (``pjit`` before JAX 0.7): re-bind with the re-traced jaxpr.
 
-    Shardings, donation, the name and the inlining flag are kept as they were.
+    Shardings, donation, the name and the inlining flag are kept as they were. An input that
+    the re-traced body only ever uses through one cast is cast before the call instead, where
+    the caller's own cast of the same value can be shared (``jnp.var`` inside a layer norm
+    whose ``jnp.mean`` already cast its input).
     """
-    jaxpr = retrace(eqn.params["jaxpr"], invals, kinds, ctx.enter(eqn))
+    inner = ctx.enter(eqn)
+    jaxpr = retrace_closed(eqn.params["jaxpr"], invals, kinds, inner)
+    hoisted = _sole_casts(jaxpr.jaxpr)
+    if hoisted:
+        invals = [cast_value(x, hoisted[i]) if i in hoisted else x for i, x in enumerate(invals)]
+        jaxpr = retrace_closed(eqn.params["jaxpr"], invals, kinds, inner)
     return _compat.bind_equation(eqn, invals, {**eqn.params, "jaxpr": jaxpr})
 
 
-def _inexact(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
+def _inline_call(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``closed_call`` / ``core_call``: a call with no parameters worth keeping, evaluated in
+    place (its equations keep the call's name stack)."""
+    call = eqn.params["call_jaxpr"]
+    jaxpr, consts = (call.jaxpr, call.consts) if hasattr(call, "consts") else (call, ())
+    return eval_jaxpr(jaxpr, consts, invals, ctx.enter(eqn), kinds)
 
 
-def _custom_jvp_rule_jaxpr(eqn: Any, ctx: Context) -> Any:
+def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``jax.checkpoint``: the same ``policy`` object, ``prevent_cse`` and ``differentiated``
+    flag, so ``checkpoint_name`` marks inside still decide what is saved."""
+    jaxpr = eqn.params["jaxpr"]
+    traced = retrace(
+        jaxpr, (), [spec_of(x) for x in invals], kinds, ctx.enter(eqn), literals=literals_of(invals)
+    )
+    open_jaxpr, consts = _compat.open_jaxpr(traced)
+    return _compat.bind_equation(eqn, [*consts, *invals], {**eqn.params, "jaxpr": open_jaxpr})
+
+
+# --- control flow -----------------------------------------------------------------------------
+
+def _carry_dtypes(
+    body: Any,
+    consts: Sequence[Any],
+    specs: list[jax.ShapeDtypeStruct],
+    kinds: list[int],
+    carry: range,
+    ctx: Context,
+    literals: dict[int, Any],
+) -> list[Any]:
+    """The dtype each loop carry keeps through the loop.
+
+    A carry keeps the dtype it enters with, except one that enters WEAK (a residual stream
+    starting at an embedding, a mask built from constants): that one takes the dtype one
+    iteration makes of it, as it would if the loop were unrolled, provided the next iteration
+    keeps it. An accumulator that starts at ``jnp.zeros`` and adds float32 values stays
+    float32; a stream of 16-bit activations becomes 16-bit before the loop.
+    """
+    entering = [specs[i].dtype for i in carry]
+    weak = [kinds[i] == WEAK for i in carry]
+    if not any(weak):
+        return entering
+    first = retrace(body, consts, specs, kinds, ctx, literals=literals)
+    proposed = [
+        a.dtype if w else d for a, d, w in zip(first.out_avals[: len(carry)], entering, weak)
+    ]
+    if proposed == entering:
+        return entering
+    trial_specs = list(specs)
+    for i, d in zip(carry, proposed):
+        trial_specs[i] = jax.ShapeDtypeStruct(specs[i].shape, d)
+    trial_kinds = [STRONG if i in carry else k for i, k in enumerate(kinds)]
+    second = retrace(body, consts, trial_specs, trial_kinds, ctx, literals=literals)
+    stable = [a.dtype for a in second.out_avals[: len(carry)]] == proposed
+    return proposed if stable else entering
+
+
+def _loop(
+    body: Any,
+    invals: list,
+    kinds: Sequence[int],
+    n_consts: int,
+    n_carry: int,
+    ctx: Context,
+    spec: Callable[[int, Any], jax.ShapeDtypeStruct],
+) -> tuple[Any, list]:
+    """Re-traces a loop body taking ``invals``: ``n_consts`` constants, ``n_carry`` carries,
+    then per-iteration inputs whose specs ``spec(position, value)`` gives. Returns the body
+    and the inputs with each carry cast to its loop dtype. Inside, carries are STRONG: every
+    iteration recomputes them."""
+    specs = [spec(i, x) for i, x in enumerate(invals)]
+    literals = literals_of(invals, range(n_consts))
+    carry = range(n_consts, n_consts + n_carry)
+    dtypes = _carry_dtypes(body.jaxpr, body.consts, specs, list(kinds), carry, ctx, literals)
+    invals, kinds = list(invals), list(kinds)
+    for i, d in zip(carry, dtypes):
+        if invals[i].dtype != d:
+            invals[i] = cast_value(invals[i], d)
+            specs[i] = jax.ShapeDtypeStruct(specs[i].shape, d)
+        kinds[i] = STRONG
+    out_dtypes = [*dtypes, *[None] * (len(body.jaxpr.outvars) - n_carry)]
+    traced = retrace(
+        body.jaxpr, body.consts, specs, kinds, ctx, literals=literals, out_dtypes=out_dtypes
+    )
+    return traced, invals
+
+
+def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``lax.scan`` (and ``fori_loop``, ``lax.map``): the body runs under the policy, and each
+    carry keeps one dtype through the loop (see :func:`_carry_dtypes`), so it is cast at most
+    once per iteration, never per use."""
+    p = eqn.params
+    body = p["jaxpr"]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    body_vars = body.jaxpr.invars
+
+    def spec(i: int, x: Any) -> jax.ShapeDtypeStruct:
+        return spec_of(x) if i < n_consts + n_carry else spec_like(body_vars[i], x)
+
+    traced, invals = _loop(body, invals, kinds, n_consts, n_carry, ctx.enter(eqn), spec)
+    return _compat.bind_equation(eqn, invals, {**p, "jaxpr": traced})
+
+
+def _while(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``lax.while_loop``: condition and body under the policy, carries as in ``scan``."""
+    p = eqn.params
+    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    inner = ctx.enter(eqn)
+    cond_consts = invals[:n_cond]
+    n_carry = len(invals) - n_cond - n_body
+    body, rest = _loop(
+        p["body_jaxpr"], invals[n_cond:], kinds[n_cond:], n_body, n_carry, inner,
+        lambda i, x: spec_of(x),
+    )
+    carry = rest[n_body:]
+    cond = retrace(
+        p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
+        [spec_of(x) for x in [*cond_consts, *carry]],
+        [*kinds[:n_cond], *[STRONG] * n_carry], inner, literals=literals_of(cond_consts),
+    )
+    new_invals = [*cond_consts, *rest]
+    return _compat.bind_equation(eqn, new_invals, {**p, "body_jaxpr": body, "cond_jaxpr": cond})
+
+
+def _cond(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``lax.cond`` / ``lax.switch``: every branch under the policy; where branches disagree
+    on an output's dtype, all return the widest."""
+    index, operands = invals[0], invals[1:]
+    inner = ctx.enter(eqn)
+    specs = [spec_of(x) for x in operands]
+    literals = literals_of(operands)
+
+    def trace(out_dtypes: Sequence[Any] | None) -> list[Any]:
+        return [
+            retrace(b.jaxpr, b.consts, specs, kinds[1:], inner, literals=literals, out_dtypes=out_dtypes)
+            for b in eqn.params["branches"]
+        ]
+
+    branches = trace(None)
+    per_output = list(zip(*[[a.dtype for a in b.out_avals] for b in branches]))
+    if any(len(set(dts)) > 1 for dts in per_output):
+        branches = trace([jnp.result_type(*dts) if len(set(dts)) > 1 else None for dts in per_output])
+    return _compat.bind_equation(eqn, [index, *operands], {**eqn.params, "branches": tuple(branches)})
+
+
+# --- custom derivatives -------------------------------------------------------------------------
+
+def _custom_jvp_rule_jaxpr(eqn: Any) -> Any:
     """The jaxpr of ``eqn``'s own JVP rule at the original dtypes: primals and float tangents
     in, primal and float tangent outputs out. Traced once per equation."""
     key = ("custom_jvp_rule", id(eqn))
-    hit = _TRACES.get(key, (eqn,))
+    hit = TRACES.get(key, (eqn,))
     if hit is not None:
         return hit
     in_avals = [v.aval for v in eqn.invars]
@@ -120,9 +236,7 @@ def _custom_jvp_rule_jaxpr(eqn: Any, ctx: Context) -> Any:
     def rule(*args: Any) -> list[Any]:
         primals = tuple(args[: len(in_avals)])
         it = iter(args[len(in_avals) :])
-        tangents = tuple(
-            next(it) if d else np.zeros(a.shape, jax.dtypes.float0) for a, d in zip(in_avals, diff)
-        )
+        tangents = tuple(next(it) if d else _float0_zeros(a) for a, d in zip(in_avals, diff))
         outs, out_tangents = jax.jvp(
             lambda *p: _as_list(eqn, _compat.bind_equation(eqn, p, eqn.params)), primals, tangents
         )
@@ -130,20 +244,15 @@ def _custom_jvp_rule_jaxpr(eqn: Any, ctx: Context) -> Any:
 
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
     traced = jax.make_jaxpr(rule)(*specs, *[s for s, d in zip(specs, diff) if d])
-    _TRACES.put(key, (eqn,), traced)
+    TRACES.put(key, (eqn,), traced)
     return traced
-
-
-def _as_list(eqn: Any, outs: Any) -> list[Any]:
-    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.custom_jvp`` functions (``jax.nn.relu``...): the primal and the user's JVP rule
     both run under the policy, and the custom rule is still what differentiation uses."""
     inner = ctx.enter(eqn)
-    call_jaxpr, _ = _compat.custom_jvp_parts(eqn)
-    primal = retrace(call_jaxpr, invals, kinds, inner)
+    primal = retrace_closed(_compat.custom_call_jaxpr(eqn), invals, kinds, inner)
     out_dtypes = [a.dtype for a in primal.out_avals]
 
     @jax.custom_jvp
@@ -152,14 +261,14 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
 
     @fn.defjvp
     def fn_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
-        rule = _custom_jvp_rule_jaxpr(eqn, ctx)
+        rule = _custom_jvp_rule_jaxpr(eqn)
         float_tangents = [t for t, v in zip(tangents, eqn.invars) if _inexact(v.aval.dtype)]
         outs = eval_jaxpr(rule.jaxpr, rule.consts, [*primals, *float_tangents], inner)
         n_out = len(eqn.outvars)
         out_primals = [cast_value(x, d) for x, d in zip(outs[:n_out], out_dtypes)]
         it = iter(outs[n_out:])
         out_tangents = [
-            cast_value(next(it), d) if _inexact(v.aval.dtype) else np.zeros(v.aval.shape, jax.dtypes.float0)
+            cast_value(next(it), d) if _inexact(v.aval.dtype) else _float0_zeros(v.aval)
             for v, d in zip(eqn.outvars, out_dtypes)
         ]
         return out_primals, out_tangents
@@ -167,9 +276,108 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     return fn(*invals)
 
 
+def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, Any]:
+    """The user's forward and backward rules as jaxprs at the original dtypes, traced once:
+    ``fwd(primals) -> (outs, residuals)`` and ``bwd(residuals, cotangents) -> float
+    cotangents of the inputs``, with the tree of the residuals between them."""
+    key = ("custom_vjp_rules", id(eqn))
+    hit = TRACES.get(key, (eqn,))
+    if hit is not None:
+        return hit
+    in_avals = [v.aval for v in eqn.invars]
+    diff = [_inexact(a.dtype) for a in in_avals]
+    store: dict[str, Any] = {}
+
+    def fwd(*primals: Any) -> tuple[list, list]:
+        outs, vjp_fn = jax.vjp(lambda *p: _as_list(eqn, _compat.bind_equation(eqn, p, eqn.params)), *primals)
+        residuals, store["tree"] = jax.tree_util.tree_flatten(vjp_fn)
+        return outs, residuals
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+    fwd_jaxpr, (_, res_shapes) = jax.make_jaxpr(fwd, return_shape=True)(*specs)
+    tree = store["tree"]
+
+    def bwd(residuals: list, cotangents: list) -> list:
+        vjp_fn = jax.tree_util.tree_unflatten(tree, residuals)
+        return [c for c, d in zip(vjp_fn(cotangents), diff) if d]
+
+    ct_specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+    bwd_jaxpr = jax.make_jaxpr(bwd)(list(res_shapes), ct_specs)
+    result = (fwd_jaxpr, bwd_jaxpr, len(res_shapes))
+    TRACES.put(key, (eqn,), result)
+    return result
+
+
+def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``jax.custom_vjp`` functions: the primal, the user's forward rule and the user's
+    backward rule all run under the policy; cotangents come back in the dtypes the inputs
+    arrived in, and the custom rules are still what differentiation uses."""
+    inner = ctx.enter(eqn)
+    primal = retrace_closed(_compat.custom_call_jaxpr(eqn), invals, kinds, inner)
+    out_dtypes = [a.dtype for a in primal.out_avals]
+    in_dtypes = [x.dtype for x in invals]
+    diff = [_inexact(v.aval.dtype) for v in eqn.invars]
+
+    @jax.custom_vjp
+    def fn(*args: Any) -> list[Any]:
+        return jax.core.eval_jaxpr(primal.jaxpr, primal.consts, *args)
+
+    def fn_fwd(*args: Any) -> tuple[list, list]:
+        fwd_jaxpr, _, n_res = _custom_vjp_rule_jaxprs(eqn)
+        flat = eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, list(args), inner)
+        outs, residuals = flat[: len(flat) - n_res], flat[len(flat) - n_res :]
+        return [cast_value(x, d) for x, d in zip(outs, out_dtypes)], residuals
+
+    def fn_bwd(residuals: list, cotangents: list) -> tuple:
+        _, bwd_jaxpr, _ = _custom_vjp_rule_jaxprs(eqn)
+        cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *cotangents], inner))
+        return tuple(
+            cast_value(next(cts), d) if is_diff else None for d, is_diff in zip(in_dtypes, diff)
+        )
+
+    fn.defvjp(fn_fwd, fn_bwd)
+    return fn(*invals)
+
+
+# --- mapped and sharded -----------------------------------------------------------------------
+
+def _shard_map(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``shard_map`` (and ``pmap`` from JAX 0.7 on): the per-shard body under the policy;
+    mesh, specs and replication checks as they were."""
+    body = eqn.params["jaxpr"]
+    specs = [spec_like(v, x) for v, x in zip(body.invars, invals)]
+    traced = retrace(body, (), specs, kinds, ctx.enter(eqn), literals=literals_of(invals))
+    open_jaxpr, consts = _compat.open_jaxpr(traced)
+    if consts:
+        raise NotImplementedError("amp produced constants inside a shard_map body; please report")
+    return _compat.bind_equation(eqn, invals, {**eqn.params, "jaxpr": open_jaxpr})
+
+
+def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``jax.pmap`` before JAX 0.7 (``xla_pmap``): the per-device body under the policy."""
+    body = eqn.params["call_jaxpr"]
+    specs = [spec_like(v, x) for v, x in zip(body.invars, invals)]
+    traced = retrace(body, (), specs, kinds, ctx.enter(eqn), literals=literals_of(invals))
+    open_jaxpr, consts = _compat.open_jaxpr(traced)
+    if consts:
+        raise NotImplementedError("amp produced constants inside a pmap body; please report")
+    return _compat.bind_equation(eqn, invals, {**eqn.params, "call_jaxpr": open_jaxpr})
+
+
 HANDLERS: dict[str, Handler] = {
     **{name: _jit for name in _compat.JIT_NAMES},
+    "closed_call": _inline_call,
+    "core_call": _inline_call,
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
     "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+    "custom_vjp_call_jaxpr": _custom_vjp,
+    "shard_map": _shard_map,
+    "xla_pmap": _pmap,
 }
 
 

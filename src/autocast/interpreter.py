@@ -9,10 +9,13 @@ bound again on whatever trace is current, so ``jit``, ``grad`` and ``vmap`` comp
 Every value has a kind that says how much its dtype should count:
 
 - ``WEAK``: a literal or a value computed from literals alone (``jnp.zeros``, a mask built
-  from ``iota``), or an input broadcast against something larger (a bias, a layer-norm gain).
-  It carries no dtype decision of its own: before the policy is consulted it takes the dtype
-  of the other values it meets, so ``x * 2.0``, ``jnp.where(m, x, 0.0)`` and ``x @ w + b``
-  keep a 16-bit activation 16-bit, as PyTorch's linear layer does with its bias.
+  from ``iota``), an input broadcast against something larger (a bias, a layer-norm gain),
+  or rows looked up from an input table (an embedding: the lookup is the one-hot matrix
+  product it stands for). It carries no dtype decision of its own: before the policy is
+  consulted it takes the dtype of the other values it meets, so ``x * 2.0``,
+  ``jnp.where(m, x, 0.0)`` and ``x @ w + b`` keep a 16-bit activation 16-bit, as PyTorch's
+  linear layer does with its bias, and a residual stream that starts at an embedding is
+  16-bit from the first block on, as a hand-cast model's is.
 - ``RAW``: an input of the function (a parameter, a batch) or a piece of one cut out by pure
   data movement. It keeps its dtype, so a float32 parameter updated by a 16-bit gradient is
   updated in float32.
@@ -41,12 +44,13 @@ from autocast.rules import (
 STRONG, RAW, WEAK = 0, 1, 2
 
 # Primitives that only move data: an input cut out by them is still an input. Of these,
-# broadcasting makes it WEAK, since it is applied across something larger.
+# broadcasting and looking rows up make it WEAK: applied across something larger.
 _MOVEMENT = frozenset({
     "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "gather",
     "convert_element_type", "copy", "copy_p", "rev", "concatenate", "split", "broadcast_in_dim",
 })
 _BROADCAST = "broadcast_in_dim"
+_SPREAD = frozenset({_BROADCAST, "gather"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,7 +73,7 @@ def output_kind(name: str, invals: Sequence[Any], kinds: Sequence[int]) -> int:
     if all(k == WEAK for k in float_kinds):
         return WEAK
     if name in _MOVEMENT and STRONG not in float_kinds:
-        return WEAK if name == _BROADCAST else RAW
+        return WEAK if name in _SPREAD else RAW
     return STRONG
 
 

@@ -338,6 +338,7 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("logistic", use_input_precision, _ELEMENTWISE + " (bounded output)"),
     ("reduce_precision", use_input_precision, _ELEMENTWISE),
     ("stop_gradient", use_input_precision, _MOVEMENT),
+    ("name", use_input_precision, "input dtype: a checkpoint_name mark, no computation"),
     ("reshape", use_input_precision, _MOVEMENT),
     ("transpose", use_input_precision, _MOVEMENT),
     ("broadcast_in_dim", use_input_precision, _MOVEMENT),

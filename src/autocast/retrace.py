@@ -1,0 +1,124 @@
+"""Re-tracing a sub-jaxpr under the policy, for the dtypes its inputs have now; cached.
+
+Every higher-order handler comes here: it says what the sub-jaxpr's inputs look like (their
+avals, kinds, and which are literals) and which dtypes some outputs must keep (a loop carry,
+branches that must agree), and gets back a new closed jaxpr to bind the primitive with.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from autocast import _compat
+from autocast.interpreter import Context, eval_jaxpr
+from autocast.rules import _castable, cast_value
+
+
+class _IdentityCache:
+    """A bounded LRU cache whose keys name objects by ``id``; each entry holds those objects,
+    so no id can be reused by another object while its entry lives.
+
+    Shared by every amp-wrapped function: re-wrapping a function (as a train step re-traced
+    for a new shape does) reuses the re-traced helpers, and with them JAX's own lowering
+    caches.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: tuple, held: tuple) -> Any:
+        entry = self._entries.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], held)):
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: tuple, held: tuple, value: Any) -> None:
+        self._entries[key] = (held, value)
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+
+TRACES = _IdentityCache(4096)
+
+
+def spec_of(x: Any) -> jax.ShapeDtypeStruct:
+    """Shape, dtype and weak type of a value, as ``jax.make_jaxpr`` takes them."""
+    aval = _compat.aval_of(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def spec_like(var: Any, x: Any) -> jax.ShapeDtypeStruct:
+    """The recorded shape of ``var`` with the dtype ``x`` has now (a loop body's slice of a
+    scanned array, a shard of a mapped one)."""
+    return jax.ShapeDtypeStruct(var.aval.shape, x.dtype)
+
+
+def literals_of(invals: Sequence[Any], positions: Sequence[int] | None = None) -> dict[int, Any]:
+    """The inputs that are literals of the enclosing jaxpr (NumPy scalars here), by position.
+
+    Inside the re-traced jaxpr they are used by value, so casting them costs nothing at run
+    time; they are still passed, unused, to keep the equation's signature.
+    """
+    chosen = range(len(invals)) if positions is None else positions
+    return {i: invals[i] for i in chosen if isinstance(invals[i], np.generic)}
+
+
+def retrace(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    specs: Sequence[jax.ShapeDtypeStruct],
+    kinds: Sequence[int],
+    ctx: Context,
+    *,
+    literals: dict[int, Any] | None = None,
+    out_dtypes: Sequence[Any] | None = None,
+) -> Any:
+    """The open ``jaxpr`` (with ``consts``) interpreted under ``ctx`` and traced again.
+
+    ``specs`` describe the inputs, ``kinds`` their kinds, ``literals`` the inputs used by
+    value, and ``out_dtypes`` (None entries free) the dtypes outputs are cast to at the end.
+    """
+    literals = literals or {}
+    out_key = None if out_dtypes is None else tuple(None if d is None else np.dtype(d) for d in out_dtypes)
+    key = (
+        id(jaxpr),
+        tuple((s.shape, s.dtype, s.weak_type) for s in specs),
+        tuple(kinds),
+        tuple((i, x.dtype, x.item()) for i, x in literals.items()),
+        out_key,
+        id(ctx.policy),
+        ctx.compute_dtype,
+        ctx.scopes,
+    )
+    held = (jaxpr, ctx.policy)
+    hit = TRACES.get(key, held)
+    if hit is not None:
+        return hit
+
+    def interpret(*args: Any) -> list[Any]:
+        args = [literals.get(i, a) for i, a in enumerate(args)]
+        outs = eval_jaxpr(jaxpr, consts, args, ctx, kinds)
+        if out_key is not None:
+            outs = [
+                x if d is None or not _castable(x, d) else cast_value(x, d)
+                for x, d in zip(outs, out_key)
+            ]
+        return outs
+
+    traced = jax.make_jaxpr(interpret)(*specs)
+    TRACES.put(key, held, traced)
+    return traced
+
+
+def retrace_closed(closed: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context) -> Any:
+    """A closed sub-jaxpr called with exactly ``invals`` (``jit``, ``custom_jvp``)."""
+    return retrace(
+        closed.jaxpr, closed.consts, [spec_of(x) for x in invals], kinds, ctx,
+        literals=literals_of(invals),
+    )
