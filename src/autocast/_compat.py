@@ -230,3 +230,9 @@ def sub_jaxprs(eqn: Any) -> Iterator[Any]:
                 yield v.jaxpr
             elif isinstance(v, Jaxpr):
                 yield v
+
+
+def shard_map_manual_axes(params: dict[str, Any]) -> frozenset:
+    """The mesh axes a ``shard_map`` equation makes manual: ``manual_axes`` up to JAX 0.6,
+    ``newly_manual_axes`` since."""
+    return frozenset(params.get("newly_manual_axes", params.get("manual_axes", ())))

@@ -18,7 +18,15 @@ import numpy as np
 
 from autocast import _compat
 from autocast.interpreter import STRONG, WEAK, Context, decide_by_scope, eval_jaxpr
-from autocast.retrace import TRACES, literals_of, retrace, retrace_closed, spec_like, spec_of
+from autocast.retrace import (
+    TRACES,
+    literals_of,
+    retrace,
+    retrace_closed,
+    spec_like,
+    spec_of,
+    with_dtype,
+)
 from autocast.rules import _castable, cast_value, use_original_precision
 
 Handler = Callable[[Any, list, Sequence[int], Context], Sequence[Any]]
@@ -99,7 +107,7 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
 def _carry_dtypes(
     body: Any,
     consts: Sequence[Any],
-    specs: list[jax.ShapeDtypeStruct],
+    specs: list[Any],
     kinds: list[int],
     carry: range,
     ctx: Context,
@@ -125,7 +133,7 @@ def _carry_dtypes(
         return entering
     trial_specs = list(specs)
     for i, d in zip(carry, proposed):
-        trial_specs[i] = jax.ShapeDtypeStruct(specs[i].shape, d)
+        trial_specs[i] = with_dtype(specs[i], d)
     trial_kinds = [STRONG if i in carry else k for i, k in enumerate(kinds)]
     second = retrace(body, consts, trial_specs, trial_kinds, ctx, literals=literals)
     stable = [a.dtype for a in second.out_avals[: len(carry)]] == proposed
@@ -139,7 +147,7 @@ def _loop(
     n_consts: int,
     n_carry: int,
     ctx: Context,
-    spec: Callable[[int, Any], jax.ShapeDtypeStruct],
+    spec: Callable[[int, Any], Any],
 ) -> tuple[Any, list]:
     """Re-traces a loop body taking ``invals``: ``n_consts`` constants, ``n_carry`` carries,
     then per-iteration inputs whose specs ``spec(position, value)`` gives. Returns the body
@@ -153,7 +161,7 @@ def _loop(
     for i, d in zip(carry, dtypes):
         if invals[i].dtype != d:
             invals[i] = cast_value(invals[i], d)
-            specs[i] = jax.ShapeDtypeStruct(specs[i].shape, d)
+            specs[i] = with_dtype(specs[i], d)
         kinds[i] = STRONG
     out_dtypes = [*dtypes, *[None] * (len(body.jaxpr.outvars) - n_carry)]
     traced = retrace(
@@ -171,7 +179,7 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     body_vars = body.jaxpr.invars
 
-    def spec(i: int, x: Any) -> jax.ShapeDtypeStruct:
+    def spec(i: int, x: Any) -> Any:
         return spec_of(x) if i < n_consts + n_carry else spec_like(body_vars[i], x)
 
     traced, invals = _loop(body, invals, kinds, n_consts, n_carry, ctx.enter(eqn), spec)
@@ -342,26 +350,48 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
 # --- mapped and sharded -----------------------------------------------------------------------
 
 def _shard_map(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """``shard_map`` (and ``pmap`` from JAX 0.7 on): the per-shard body under the policy;
-    mesh, specs and replication checks as they were."""
-    body = eqn.params["jaxpr"]
-    specs = [spec_like(v, x) for v, x in zip(body.invars, invals)]
-    traced = retrace(body, (), specs, kinds, ctx.enter(eqn), literals=literals_of(invals))
-    open_jaxpr, consts = _compat.open_jaxpr(traced)
-    if consts:
-        raise NotImplementedError("amp produced constants inside a shard_map body; please report")
-    return _compat.bind_equation(eqn, invals, {**eqn.params, "jaxpr": open_jaxpr})
+    """``shard_map`` (and ``pmap`` from JAX 0.7 on, which is built on it): the per-shard body
+    under the policy, with mesh, specs, manual axes and replication checks as they were.
+
+    The body is re-traced through ``jax.shard_map`` itself: collectives inside name mesh axes
+    that only exist while it traces."""
+    p = eqn.params
+    body, inner = p["jaxpr"], ctx.enter(eqn)
+
+    def local(*args: Any) -> tuple:
+        return tuple(eval_jaxpr(body, (), list(args), inner, kinds))
+
+    mapped = jax.shard_map(
+        local,
+        mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]),
+        axis_names=_compat.shard_map_manual_axes(p),
+        check_vma=p["check_vma"],
+    )
+    return list(mapped(*invals))
 
 
 def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """``jax.pmap`` before JAX 0.7 (``xla_pmap``): the per-device body under the policy."""
-    body = eqn.params["call_jaxpr"]
-    specs = [spec_like(v, x) for v, x in zip(body.invars, invals)]
-    traced = retrace(body, (), specs, kinds, ctx.enter(eqn), literals=literals_of(invals))
-    open_jaxpr, consts = _compat.open_jaxpr(traced)
-    if consts:
-        raise NotImplementedError("amp produced constants inside a pmap body; please report")
-    return _compat.bind_equation(eqn, invals, {**eqn.params, "call_jaxpr": open_jaxpr})
+    """``jax.pmap`` before JAX 0.7 (``xla_pmap``): the per-device body under the policy,
+    re-traced through ``jax.pmap`` with the same axis, mapping, devices and donation."""
+    p = eqn.params
+    body, inner = p["call_jaxpr"], ctx.enter(eqn)
+
+    def local(*args: Any) -> tuple:
+        return tuple(eval_jaxpr(body, (), list(args), inner, kinds))
+
+    mapped = jax.pmap(
+        local,
+        axis_name=p["axis_name"],
+        in_axes=tuple(p["in_axes"]),
+        out_axes=tuple(p["out_axes"]),
+        devices=p["devices"],
+        backend=p["backend"],
+        axis_size=p["axis_size"],
+        donate_argnums=tuple(i for i, d in enumerate(p["donated_invars"]) if d),
+    )
+    return list(mapped(*invals))
 
 
 HANDLERS: dict[str, Handler] = {

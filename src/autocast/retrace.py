@@ -47,16 +47,21 @@ class _IdentityCache:
 TRACES = _IdentityCache(4096)
 
 
-def spec_of(x: Any) -> jax.ShapeDtypeStruct:
-    """Shape, dtype and weak type of a value, as ``jax.make_jaxpr`` takes them."""
-    aval = _compat.aval_of(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+def spec_of(x: Any) -> Any:
+    """The abstract value of ``x`` (shape, dtype, weak type, sharding), which
+    ``jax.make_jaxpr`` takes in place of an argument and which is hashable."""
+    return _compat.aval_of(x)
 
 
-def spec_like(var: Any, x: Any) -> jax.ShapeDtypeStruct:
-    """The recorded shape of ``var`` with the dtype ``x`` has now (a loop body's slice of a
-    scanned array, a shard of a mapped one)."""
-    return jax.ShapeDtypeStruct(var.aval.shape, x.dtype)
+def spec_like(var: Any, x: Any) -> Any:
+    """The recorded abstract value of ``var`` with the dtype ``x`` has now (a loop body's
+    slice of a scanned array, a shard of a mapped one)."""
+    return with_dtype(var.aval, x.dtype)
+
+
+def with_dtype(aval: Any, dtype: Any) -> Any:
+    """``aval`` with another dtype, its shape, sharding and the rest unchanged."""
+    return aval if aval.dtype == dtype else aval.update(dtype=np.dtype(dtype), weak_type=False)
 
 
 def literals_of(invals: Sequence[Any], positions: Sequence[int] | None = None) -> dict[int, Any]:
@@ -72,7 +77,7 @@ def literals_of(invals: Sequence[Any], positions: Sequence[int] | None = None) -
 def retrace(
     jaxpr: Any,
     consts: Sequence[Any],
-    specs: Sequence[jax.ShapeDtypeStruct],
+    specs: Sequence[Any],
     kinds: Sequence[int],
     ctx: Context,
     *,
@@ -88,7 +93,7 @@ def retrace(
     out_key = None if out_dtypes is None else tuple(None if d is None else np.dtype(d) for d in out_dtypes)
     key = (
         id(jaxpr),
-        tuple((s.shape, s.dtype, s.weak_type) for s in specs),
+        tuple(specs),
         tuple(kinds),
         tuple((i, x.dtype, x.item()) for i, x in literals.items()),
         out_key,

@@ -84,7 +84,7 @@ class _Amp:
     def _trace(self, in_tree: Any, leaves: list, dynamic: list[int]) -> _Traced:
         specs = [_compat.aval_of(leaves[i]) for i in dynamic]
         statics = tuple((i, leaves[i]) for i in range(len(leaves)) if i not in set(dynamic))
-        key = (in_tree, tuple((s.shape, s.dtype, s.weak_type) for s in specs), statics)
+        key = (in_tree, tuple(specs), statics)
         try:
             hit = self._traces.get(key)
         except TypeError:  # an unhashable static leaf: trace every time, as jax.jit would refuse
@@ -105,9 +105,7 @@ class _Amp:
             out_store["static"] = [None if _is_array(x) else x for x in out_leaves]
             return [x for x in out_leaves if _is_array(x)]
 
-        jaxpr = jax.make_jaxpr(flat_fn)(
-            *[jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type) for s in specs]
-        )
+        jaxpr = jax.make_jaxpr(flat_fn)(*specs)
         traced = _Traced(
             jaxpr, out_store["tree"], out_store["static"], [a.dtype for a in jaxpr.out_avals]
         )

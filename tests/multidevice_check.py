@@ -1,0 +1,62 @@
+"""Run by test_higher_order.py in a child process with 4 CPU devices: amp inside shard_map and
+pmap. Exits non-zero (an AssertionError) on any failure."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import autocast
+from autocast import _measure
+
+
+def shard_map(fn, mesh, in_specs, out_specs):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map as legacy
+
+    return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def dot_dtypes(jaxpr):
+    return {
+        tuple(v.aval.dtype.name for v in e.invars)
+        for e in _measure.equations(jaxpr)
+        if e.primitive.name == "dot_general"
+    }
+
+
+def main() -> None:
+    assert len(jax.devices()) == 4, jax.devices()
+    w = jnp.linspace(-0.5, 0.5, 16).reshape(4, 4)
+    x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))  # automatic axes in every version
+    x_sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+
+    def local(xb, w):
+        return jax.lax.psum(jnp.tanh(xb @ w).sum(), "d")
+
+    fn = shard_map(local, mesh, (P("d"), P()), P())
+    amp_fn = autocast.amp(fn, compute_dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(amp_fn)(x_sharded, w)
+    assert dot_dtypes(jaxpr) == {("bfloat16", "bfloat16")}, jaxpr
+    (sm,) = [e for e in _measure.equations(jaxpr) if e.primitive.name == "shard_map"]
+    assert sm.params["mesh"] == mesh
+    np.testing.assert_allclose(jax.jit(amp_fn)(x_sharded, w), fn(x_sharded, w), rtol=3e-2)
+    g = jax.jit(jax.grad(amp_fn, argnums=1))(x_sharded, w)
+    np.testing.assert_allclose(g, jax.grad(fn, argnums=1)(x_sharded, w), rtol=5e-2, atol=5e-2)
+    assert dot_dtypes(jax.make_jaxpr(jax.grad(amp_fn, argnums=1))(x_sharded, w)) == {("bfloat16", "bfloat16")}
+    print("shard_map ok")
+
+    pfn = jax.pmap(lambda xb: jnp.tanh(xb @ w), axis_name="i")
+    xs = x.reshape(4, 2, 4)
+    amp_p = autocast.amp(pfn, compute_dtype=jnp.bfloat16)
+    assert dot_dtypes(jax.make_jaxpr(amp_p)(xs)) == {("bfloat16", "bfloat16")}
+    np.testing.assert_allclose(amp_p(xs), pfn(xs), rtol=3e-2, atol=3e-2)
+    print("pmap ok")
+
+
+if __name__ == "__main__":
+    main()
