@@ -271,3 +271,57 @@ def test_shard_map_and_pmap_on_several_devices():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "shard_map ok" in done.stdout and "pmap ok" in done.stdout
+
+
+# --- random nests of all of the above (hypothesis) ---------------------------------------------
+
+import hypothesis.strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+
+
+def _wrap_custom_jvp(f):
+    g = jax.custom_jvp(f)
+    g.defjvp(lambda primals, tangents: jax.jvp(f, primals, tangents))
+    return g
+
+
+def _wrap_custom_vjp(f):
+    g = jax.custom_vjp(f)
+
+    def fwd(x):
+        y, pullback = jax.vjp(f, x)
+        return y, pullback
+
+    g.defvjp(fwd, lambda pullback, ct: pullback(ct))
+    return g
+
+
+WRAPPERS = {
+    "jit": jax.jit,
+    "checkpoint": jax.checkpoint,
+    "scan": lambda f: lambda x: lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0],
+    "fori": lambda f: lambda x: lax.fori_loop(0, 2, lambda i, c: f(c), x),
+    "cond": lambda f: lambda x: lax.cond(jnp.sum(x) > 0, f, lambda z: f(z) * 0.5, x),
+    "custom_jvp": _wrap_custom_jvp,
+    "custom_vjp": _wrap_custom_vjp,
+}
+
+
+def _core(x):
+    return jnp.tanh(x @ W) + 0.5 * x
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sampled_from(sorted(WRAPPERS)), min_size=1, max_size=4))
+def test_random_nests_run_16_bit_and_agree_with_float32(nest):
+    fn = _core
+    for name in nest:
+        fn = WRAPPERS[name](fn)
+    amp_fn = bf16_amp(fn)
+    assert_all_matmuls_16_bit(fn, X)
+    out = jax.jit(amp_fn)(X)
+    assert out.dtype == jnp.dtype(F32)
+    np.testing.assert_allclose(out, jax.jit(fn)(X), rtol=5e-2, atol=5e-2)
+    grad = jax.jit(jax.grad(lambda x: amp_fn(x).sum()))(X)
+    assert grad.dtype == jnp.dtype(F32)
+    np.testing.assert_allclose(grad, jax.grad(lambda x: fn(x).sum())(X), rtol=1e-1, atol=1e-1)

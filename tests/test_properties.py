@@ -306,7 +306,7 @@ def test_gradients_keep_primal_dtypes(prog, seed, dtypes, compute):
 # d. bfloat16 results stay close to float32 on programs that do not amplify rounding
 # --------------------------------------------------------------------------------------------
 
-RTOL = 5e-2
+RTOL = 3e-2
 
 
 @SETTINGS
@@ -319,10 +319,13 @@ def test_bfloat16_result_is_close_to_float32(prog, seed):
     got = np.asarray(got)
     finite = np.isfinite(want) & (np.abs(want) < 1e3)
     assert np.isfinite(got[finite]).all()
-    # Tame programs keep values of order one, so absolute errors are measured against
-    # max(1, the largest output): bfloat16 keeps 8 bits, 5% is many roundings' worth.
-    scale = max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
-    np.testing.assert_allclose(got[finite], want[finite], rtol=RTOL, atol=RTOL * scale)
+    got, want = got[finite], want[finite]
+    # Tame programs keep values of order one (inputs within 2, nothing that grows them), so
+    # each of at most a dozen bfloat16 roundings (8 bits) costs at most ~0.4% of the largest
+    # value: 3% of the output's scale is loose yet catches a few-bit format or a wrong op.
+    # (Measured worst over 300 programs: 0.9%.) The 0.1 floor covers outputs that cancel.
+    scale = max(0.1, float(np.abs(want).max(initial=0.0)))
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -284,20 +284,25 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     return fn(*invals)
 
 
-def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, Any]:
+def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, int]:
     """The user's forward and backward rules as jaxprs at the original dtypes, traced once:
-    ``fwd(primals) -> (outs, residuals)`` and ``bwd(residuals, cotangents) -> float
-    cotangents of the inputs``, with the tree of the residuals between them."""
+    ``fwd(consts, args) -> (outs, residuals)`` and ``bwd(residuals, cotangents) -> float
+    cotangents of args``, with the number of residuals between them. The leading
+    ``num_consts`` inputs are values the function closed over: never differentiated."""
     key = ("custom_vjp_rules", id(eqn))
     hit = TRACES.get(key, (eqn,))
     if hit is not None:
         return hit
+    n_consts = eqn.params.get("num_consts", 0)
     in_avals = [v.aval for v in eqn.invars]
-    diff = [_inexact(a.dtype) for a in in_avals]
+    diff = [_inexact(a.dtype) for a in in_avals[n_consts:]]
     store: dict[str, Any] = {}
 
-    def fwd(*primals: Any) -> tuple[list, list]:
-        outs, vjp_fn = jax.vjp(lambda *p: _as_list(eqn, _compat.bind_equation(eqn, p, eqn.params)), *primals)
+    def fwd(*inputs: Any) -> tuple[list, list]:
+        consts, args = inputs[:n_consts], inputs[n_consts:]
+        outs, vjp_fn = jax.vjp(
+            lambda *a: _as_list(eqn, _compat.bind_equation(eqn, [*consts, *a], eqn.params)), *args
+        )
         residuals, store["tree"] = jax.tree_util.tree_flatten(vjp_fn)
         return outs, residuals
 
@@ -319,20 +324,23 @@ def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, Any]:
 def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.custom_vjp`` functions: the primal, the user's forward rule and the user's
     backward rule all run under the policy; cotangents come back in the dtypes the inputs
-    arrived in, and the custom rules are still what differentiation uses."""
+    arrived in, and the custom rules are still what differentiation uses. Values the
+    function closed over stay closed over, so differentiating with respect to them is the
+    same error it is without amp."""
     inner = ctx.enter(eqn)
     primal = retrace_closed(_compat.custom_call_jaxpr(eqn), invals, kinds, inner)
     out_dtypes = [a.dtype for a in primal.out_avals]
-    in_dtypes = [x.dtype for x in invals]
-    diff = [_inexact(v.aval.dtype) for v in eqn.invars]
+    n_consts = eqn.params.get("num_consts", 0)
+    consts, args = invals[:n_consts], invals[n_consts:]
+    diff = [_inexact(v.aval.dtype) for v in eqn.invars[n_consts:]]
 
     @jax.custom_vjp
     def fn(*args: Any) -> list[Any]:
-        return jax.core.eval_jaxpr(primal.jaxpr, primal.consts, *args)
+        return jax.core.eval_jaxpr(primal.jaxpr, primal.consts, *consts, *args)
 
     def fn_fwd(*args: Any) -> tuple[list, list]:
         fwd_jaxpr, _, n_res = _custom_vjp_rule_jaxprs(eqn)
-        flat = eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, list(args), inner)
+        flat = eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, [*consts, *args], inner)
         outs, residuals = flat[: len(flat) - n_res], flat[len(flat) - n_res :]
         return [cast_value(x, d) for x, d in zip(outs, out_dtypes)], residuals
 
@@ -340,11 +348,11 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
         _, bwd_jaxpr, _ = _custom_vjp_rule_jaxprs(eqn)
         cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *cotangents], inner))
         return tuple(
-            cast_value(next(cts), d) if is_diff else None for d, is_diff in zip(in_dtypes, diff)
+            cast_value(next(cts), x.dtype) if is_diff else None for x, is_diff in zip(args, diff)
         )
 
     fn.defvjp(fn_fwd, fn_bwd)
-    return fn(*invals)
+    return fn(*args)
 
 
 # --- mapped and sharded -----------------------------------------------------------------------
