@@ -2,9 +2,15 @@
 GPT-style transformer, compare float32, the same model cast to bfloat16 by hand (float32
 layer norm, softmax and loss), and amp with bfloat16 compute.
 
+The GPT runs in four forms: unrolled and as ``lax.scan`` over stacked layers, each with and
+without ``jax.checkpoint`` per layer.
+
 Columns: loss (and its deviation from float32), share of matmul FLOPs with 16-bit operands
 forward and backward, float-to-float casts in the forward and gradient jaxprs, casts that
-round-trip (a -> b -> a), and bytes of the residuals jax.vjp keeps (activation memory).
+round-trip (a -> b -> a), and bytes of the residuals jax.vjp keeps (SPEC 5's activation
+memory) with ratios to float32 and to the hand-cast model; "act" repeats the two ratios
+leaving out residuals that are arguments passed through unchanged (float32 weights that a
+checkpointed layer needs again): the memory the forward pass adds.
 
 Run: ``.venv/bin/python benchmarks/mixed_precision.py``
 """
@@ -31,6 +37,7 @@ def measure(fn, args, reference_loss):
         "casts_bwd": _measure.count_casts(bwd),
         "waste": _measure.wasted_casts(fwd) + _measure.wasted_casts(bwd),
         "residual_bytes": _measure.residual_bytes(fn, *args),
+        "activation_bytes": _measure.residual_bytes(fn, *args, include_inputs=False),
     }
 
 
@@ -41,14 +48,23 @@ def models():
     y = jnp.arange(128) % 10
     yield "MLP", _models.mlp_loss, (mlp_params, x, y)
     gpt_params = _models.init_gpt(key, vocab=256, d=128, layers=4, seq=64)
+    stacked = _models.stack_blocks(gpt_params)
     tokens = _models.gpt_batch(key, batch=8, seq=64, vocab=256)
-    yield "GPT", _models.gpt_loss, (gpt_params, tokens)
+    for scan in (False, True):
+        for remat in (False, True):
+            name = ("GPT scan" if scan else "GPT") + (" +ckpt" if remat else "")
+
+            def loss(p, t, hand_cast=None, scan=scan, remat=remat):
+                return _models.gpt_loss(p, t, hand_cast, scan=scan, remat=remat)
+
+            yield name, loss, (stacked if scan else gpt_params, tokens)
 
 
 def main() -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
-    header = f"{'model':5} {'variant':9} {'loss':>8} {'dev':>7} {'bf16 fwd':>8} {'bf16 bwd':>8} " \
-             f"{'casts f/b':>10} {'waste':>5} {'resid MB':>8} {'vs f32':>6} {'vs hand':>7}"
+    header = f"{'model':13} {'variant':9} {'loss':>7} {'dev':>6} {'bf16 fwd':>8} {'bf16 bwd':>8} " \
+             f"{'casts f/b':>9} {'waste':>5} {'resid MB':>8} {'vs f32':>6} {'vs hand':>7} " \
+             f"{'act/f32':>7} {'act/hand':>8}"
     print(header)
     for name, loss_fn, args in models():
         variants = {
@@ -58,13 +74,16 @@ def main() -> None:
         }
         ref = float(jax.jit(loss_fn)(*args))
         rows = {k: measure(f, args, ref) for k, f in variants.items()}
+        f32, hand = rows["float32"], rows["hand bf16"]
         for k, r in rows.items():
             print(
-                f"{name:5} {k:9} {r['loss']:8.4f} {r['loss_dev']:7.2%} {r['share_fwd']:8.1%} "
-                f"{r['share_bwd']:8.1%} {r['casts_fwd']:>4}/{r['casts_bwd']:<5} {r['waste']:>5} "
+                f"{name:13} {k:9} {r['loss']:7.4f} {r['loss_dev']:6.2%} {r['share_fwd']:8.1%} "
+                f"{r['share_bwd']:8.1%} {r['casts_fwd']:>4}/{r['casts_bwd']:<4} {r['waste']:>5} "
                 f"{r['residual_bytes'] / 2**20:8.2f} "
-                f"{r['residual_bytes'] / rows['float32']['residual_bytes']:6.2f} "
-                f"{r['residual_bytes'] / rows['hand bf16']['residual_bytes']:7.2f}"
+                f"{r['residual_bytes'] / f32['residual_bytes']:6.2f} "
+                f"{r['residual_bytes'] / hand['residual_bytes']:7.2f} "
+                f"{r['activation_bytes'] / f32['activation_bytes']:7.2f} "
+                f"{r['activation_bytes'] / hand['activation_bytes']:8.2f}"
             )
 
 

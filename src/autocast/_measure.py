@@ -99,15 +99,21 @@ def _is_float(dtype: Any) -> bool:
     return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
-def residual_bytes(fn: Callable[..., Any], *args: Any) -> int:
+def residual_bytes(fn: Callable[..., Any], *args: Any, include_inputs: bool = True) -> int:
     """Bytes of the residuals ``jax.vjp`` keeps for the backward pass of ``fn`` at ``args``.
 
-    Computed abstractly: nothing runs.
+    With ``include_inputs=False``, residuals that are arguments passed through unchanged (a
+    float32 weight a checkpointed layer will need again) are left out: they are alive anyway,
+    so what remains is the activation memory the forward pass adds. Computed abstractly:
+    nothing runs.
     """
     def residuals(*a: Any) -> Any:
-        return jax.vjp(fn, *a)[1]
+        return jax.tree_util.tree_leaves(jax.vjp(fn, *a)[1])
 
-    shapes = jax.eval_shape(residuals, *args)
+    jaxpr = jax.make_jaxpr(residuals)(*args).jaxpr
+    inputs = set(jaxpr.invars)
     return sum(
-        math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes)
+        math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+        for v in jaxpr.outvars
+        if include_inputs or isinstance(v, _compat.Literal) or v not in inputs
     )

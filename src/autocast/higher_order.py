@@ -93,8 +93,16 @@ def _inline_call(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> 
 
 def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.checkpoint``: the same ``policy`` object, ``prevent_cse`` and ``differentiated``
-    flag, so ``checkpoint_name`` marks inside still decide what is saved."""
+    flag, so ``checkpoint_name`` marks inside still decide what is saved.
+
+    A checkpoint's inputs are what the backward pass keeps. A WEAK one (an embedding that
+    starts a residual stream, a constant) enters in the compute dtype, as the stream it
+    starts is 16-bit from the first block on; other inputs enter as they are."""
     jaxpr = eqn.params["jaxpr"]
+    invals = [
+        cast_value(x, ctx.compute_dtype) if k == WEAK and _castable(x, v.aval.dtype) else x
+        for x, k, v in zip(invals, kinds, eqn.invars)
+    ]
     traced = retrace(
         jaxpr, (), [spec_of(x) for x in invals], kinds, ctx.enter(eqn), literals=literals_of(invals)
     )
