@@ -4,7 +4,8 @@
 parts in float32, through ``jit``, ``grad`` and ``vmap``. Policies and casting helpers
 (``Policy``, ``get_policy``, ``cast_to_half``, ...) and loss-scale objects
 (``DynamicLossScale``, ``all_finite``, ...) keep the names of ``jaxamp`` and ``jmp``, so
-code written for them ports by changing its import line.
+code written for them ports by changing its import line. Loss scaling for float16 training:
+``DynamicScalerState`` with ``dynamic_scale_value_and_grad``, or ``autocast.optax`` (optional).
 """
 
 from autocast.loss_scale import (
@@ -35,6 +36,7 @@ from autocast.rules import (
     use_precision,
     use_widest_precision,
 )
+from autocast.scaler import DynamicScalerState, dynamic_scale_grad, dynamic_scale_value_and_grad
 from autocast.transform import amp, amp_stop
 
 __version__ = "0.1.0.dev0"
@@ -42,6 +44,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "DEFAULT_PRECISION_TABLE",
     "DynamicLossScale",
+    "DynamicScalerState",
     "LossScaleUpdate",
     "NoOpLossScale",
     "Policy",
@@ -54,6 +57,8 @@ __all__ = [
     "cast_tree",
     "default_amp_policy",
     "describe_default_policy",
+    "dynamic_scale_grad",
+    "dynamic_scale_value_and_grad",
     "get_policy",
     "half_dtype",
     "next_loss_scale",

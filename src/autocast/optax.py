@@ -1,0 +1,120 @@
+"""The optax face of loss scaling (needs the ``optax`` extra: ``pip install jax-autocast[optax]``).
+
+:func:`dynamic_loss_scaling` wraps any optax optimizer: its state carries the loss scale;
+``update`` unscales the gradients, skips the step when they are not all finite (leaving
+parameters and the inner optimizer state bit-identical), adjusts the scale and counts the
+skipped steps. The skipping is ``optax.apply_if_finite``'s; the scale rule is the one of
+:func:`autocast.next_loss_scale`. Nothing leaves the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from autocast.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite
+from autocast.scaler import DynamicScalerState
+
+_LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale, DynamicScalerState)
+# apply_if_finite gives up skipping after this many consecutive bad steps; the loss scale
+# shrinks at every one of them, so it must never give up.
+_NEVER = int(jnp.iinfo(jnp.int32).max)
+
+
+class LossScalingState(NamedTuple):
+    """State of :func:`dynamic_loss_scaling`: the loss scale and ``apply_if_finite``'s state
+    (which holds the inner optimizer's state and the count of skipped steps)."""
+
+    loss_scale: Any
+    inner: optax.ApplyIfFiniteState
+
+
+def dynamic_loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: Any = None,
+    *,
+    axis_name: Any = None,
+) -> optax.GradientTransformation:
+    """Wraps ``inner`` so it takes gradients of the *scaled* loss and handles the scale.
+
+    ``loss_scale`` is the initial scale object (default ``DynamicLossScale(2**15)``); any of
+    ``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale`` or ``DynamicScalerState``.
+    Read the current one with :func:`loss_scale_of` to scale the loss. With ``axis_name``,
+    every device under ``pmap``/``shard_map`` takes the same skip decision and so keeps the
+    same scale.
+
+    >>> import autocast.optax, jax, jax.numpy as jnp, optax
+    >>> tx = autocast.optax.dynamic_loss_scaling(optax.sgd(0.1))
+    >>> params = jnp.ones(2)
+    >>> state = tx.init(params)
+    >>> loss = lambda p: jnp.sum(p ** 2)
+    >>> grads = jax.grad(lambda p: autocast.optax.loss_scale_of(state).scale(loss(p)))(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> optax.apply_updates(params, updates), autocast.optax.skipped_steps(state)
+    (Array([0.8, 0.8], dtype=float32), Array(0, dtype=int32))
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"dynamic_loss_scaling wraps an optax.GradientTransformation, got {type(inner).__name__}"
+        )
+    if loss_scale is None:
+        loss_scale = DynamicLossScale(2.0**15)
+    if not isinstance(loss_scale, _LOSS_SCALES):
+        raise TypeError(
+            "loss_scale must be one of DynamicLossScale, StaticLossScale, NoOpLossScale or "
+            f"DynamicScalerState, got {type(loss_scale).__name__}"
+        )
+    skipping = optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
+
+    def init(params: Any) -> LossScalingState:
+        return LossScalingState(loss_scale, skipping.init(params))
+
+    def update(grads: Any, state: LossScalingState, params: Any = None) -> tuple[Any, LossScalingState]:
+        grads = state.loss_scale.unscale(grads)
+        finite = all_finite(grads)
+        if axis_name is not None:
+            # apply_if_finite decides per device; poisoning every device's gradients when any
+            # one is bad makes them all decide alike.
+            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+            grads = jax.tree_util.tree_map(
+                lambda g: jnp.where(finite, g, jnp.nan) if jnp.issubdtype(g.dtype, jnp.inexact) else g,
+                grads,
+            )
+        updates, inner_state = skipping.update(grads, state.inner, params)
+        # apply_if_finite returns +0 updates on a skipped step; -0 keeps every parameter
+        # bit-identical, -0.0 parameters included (-0.0 + 0.0 is +0.0).
+        updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(finite, u, jnp.negative(jnp.zeros_like(u))), updates
+        )
+        return updates, LossScalingState(state.loss_scale.adjust(finite), inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _find(state: Any) -> LossScalingState:
+    found = [
+        s
+        for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, LossScalingState))
+        if isinstance(s, LossScalingState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            "expected an optimizer state containing exactly one dynamic_loss_scaling state, "
+            f"found {len(found)}"
+        )
+    return found[0]
+
+
+def loss_scale_of(state: Any) -> Any:
+    """The current loss scale in an optimizer state built by :func:`dynamic_loss_scaling`
+    (also when it is nested in ``optax.chain``); call its ``scale(loss)`` before ``grad``."""
+    return _find(state).loss_scale
+
+
+def skipped_steps(state: Any) -> jax.Array:
+    """How many steps :func:`dynamic_loss_scaling` has skipped for non-finite gradients."""
+    return _find(state).inner.total_notfinite
