@@ -365,40 +365,39 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
 
 # --- mapped and sharded -----------------------------------------------------------------------
 
-def _shard_map(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """``shard_map`` (and ``pmap`` from JAX 0.7 on, which is built on it): the per-shard body
-    under the policy, with mesh, specs, manual axes and replication checks as they were.
-
-    The body is re-traced through ``jax.shard_map`` itself: collectives inside name mesh axes
-    that only exist while it traces."""
-    p = eqn.params
-    body, inner = p["jaxpr"], ctx.enter(eqn)
+def _remapped(
+    eqn: Any, invals: list, kinds: Sequence[int], ctx: Context, body: Any, mapper: Callable
+) -> list[Any]:
+    """Re-traces a per-shard ``body`` through ``mapper`` (``jax.shard_map``/``jax.pmap`` with
+    the equation's settings): collectives inside name axes that exist only while it traces."""
+    inner = ctx.enter(eqn)
 
     def local(*args: Any) -> tuple:
         return tuple(eval_jaxpr(body, (), list(args), inner, kinds))
 
-    mapped = jax.shard_map(
-        local,
+    return list(mapper(local)(*invals))
+
+
+def _shard_map(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``shard_map`` (and ``pmap`` from JAX 0.7 on, which is built on it): the per-shard body
+    under the policy, with mesh, specs, manual axes and replication checks as they were."""
+    p = eqn.params
+    return _remapped(eqn, invals, kinds, ctx, p["jaxpr"], lambda f: jax.shard_map(
+        f,
         mesh=p["mesh"],
         in_specs=tuple(p["in_specs"]),
         out_specs=tuple(p["out_specs"]),
         axis_names=_compat.shard_map_manual_axes(p),
         check_vma=p["check_vma"],
-    )
-    return list(mapped(*invals))
+    ))
 
 
 def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """``jax.pmap`` before JAX 0.7 (``xla_pmap``): the per-device body under the policy,
-    re-traced through ``jax.pmap`` with the same axis, mapping, devices and donation."""
+    """``jax.pmap`` before JAX 0.7 (``xla_pmap``): the per-device body under the policy, with
+    the same axis, mapping, devices and donation."""
     p = eqn.params
-    body, inner = p["call_jaxpr"], ctx.enter(eqn)
-
-    def local(*args: Any) -> tuple:
-        return tuple(eval_jaxpr(body, (), list(args), inner, kinds))
-
-    mapped = jax.pmap(
-        local,
+    return _remapped(eqn, invals, kinds, ctx, p["call_jaxpr"], lambda f: jax.pmap(
+        f,
         axis_name=p["axis_name"],
         in_axes=tuple(p["in_axes"]),
         out_axes=tuple(p["out_axes"]),
@@ -406,8 +405,7 @@ def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
         backend=p["backend"],
         axis_size=p["axis_size"],
         donate_argnums=tuple(i for i, d in enumerate(p["donated_invars"]) if d),
-    )
-    return list(mapped(*invals))
+    ))
 
 
 HANDLERS: dict[str, Handler] = {
