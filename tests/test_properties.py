@@ -15,7 +15,6 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 
 import autocast
@@ -24,7 +23,7 @@ from autocast._measure import equations
 F32, F16, BF16 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16))
 
 SETTINGS = settings(
-    max_examples=30,
+    max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -263,14 +262,9 @@ def test_float32_compute_is_bit_identical(prog, seed, specials):
     floats, others = make_inputs(prog, seed, specials=specials)
     amp_fn = autocast.amp(prog, compute_dtype=jnp.float32)
     assert_trees_bitwise_equal(jax.jit(amp_fn)(floats, others), jax.jit(prog)(floats, others))
-    # Eagerly, amp runs the equations of f's jaxpr one by one: the same bits as running that
-    # jaxpr. (Not always f's own eager bits on JAX 0.6, which runs jnp helpers such as
-    # jnp.mean as fused XLA calls where amp's trace has them inlined.)
-    closed, shape = jax.make_jaxpr(prog, return_shape=True)(floats, others)
-    leaves = jax.tree_util.tree_leaves((floats, others))
-    flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
-    expected = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), flat)
-    assert_trees_bitwise_equal(amp_fn(floats, others), expected)
+    # Called on concrete values, amp runs one compiled program: the bits of jax.jit(f). (Not
+    # always f's own eager bits: eager f dispatches operation by operation.)
+    assert_trees_bitwise_equal(amp_fn(floats, others), jax.jit(prog)(floats, others))
 
 
 @SETTINGS
@@ -398,7 +392,7 @@ def test_integer_and_boolean_inputs_pass_through(prog, seed, compute):
 # --------------------------------------------------------------------------------------------
 
 
-@settings(SETTINGS, max_examples=20)
+@settings(SETTINGS, max_examples=15)
 @given(prog=programs(), seeds=st.lists(seeds, min_size=3, max_size=3, unique=True))
 def test_repeated_calls_with_same_avals_do_not_retrace(prog, seeds):
     calls = []

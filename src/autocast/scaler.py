@@ -9,6 +9,7 @@ moves the scale with the one rule of :func:`autocast.next_loss_scale`. It never 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -150,6 +151,26 @@ def _check_options(fun: Any, redo_on_nan: Any) -> None:
         raise ValueError(f"redo_on_nan must be a non-negative int, got {redo_on_nan}")
 
 
+def _with_state_keyword(wrapped: Callable[..., Any], fun: Callable[..., Any]) -> Callable[..., Any]:
+    """Names and documents ``wrapped`` after ``fun``, with a signature that also shows the
+    ``dynamic_scaler_state`` keyword (tools such as ``eqx.filter_jit`` bind arguments by it)."""
+    functools.update_wrapper(wrapped, fun)
+    del wrapped.__wrapped__
+    try:
+        sig = inspect.signature(fun)
+    except (TypeError, ValueError):  # a builtin or C function: leave the signature alone
+        return wrapped
+    params = list(sig.parameters.values())
+    state = inspect.Parameter("dynamic_scaler_state", inspect.Parameter.KEYWORD_ONLY)
+    at = next((i for i, p in enumerate(params) if p.kind == p.VAR_KEYWORD), len(params))
+    params.insert(at, state)
+    try:
+        wrapped.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    except ValueError:  # parameter order fun's signature does not allow: keep fun's as is
+        pass
+    return wrapped
+
+
 def _check_state(state: Any, name: str) -> None:
     if state is None:
         raise TypeError(
@@ -224,7 +245,6 @@ def dynamic_scale_value_and_grad(
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
         return _Attempt(value, aux, grads, finite)
 
-    @functools.wraps(fun)
     def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
         _check_state(dynamic_scaler_state, "dynamic_scale_value_and_grad")
         first = attempt(dynamic_scaler_state, args, kwargs)
@@ -253,7 +273,7 @@ def dynamic_scale_value_and_grad(
         value = (result.value, result.aux) if has_aux else result.value
         return state, (value, result.grads)
 
-    return wrapped
+    return _with_state_keyword(wrapped, fun)
 
 
 def dynamic_scale_grad(
@@ -279,10 +299,9 @@ def dynamic_scale_grad(
         **grad_kwargs,
     )
 
-    @functools.wraps(fun)
     def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
         _check_state(dynamic_scaler_state, "dynamic_scale_grad")
         state, (value, grads) = value_and_grad(*args, dynamic_scaler_state=dynamic_scaler_state, **kwargs)
         return state, ((grads, value[1]) if has_aux else grads)
 
-    return wrapped
+    return _with_state_keyword(wrapped, fun)
