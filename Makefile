@@ -1,4 +1,4 @@
-# Two commands set everything up: `make demo` and `make test`. Each builds its virtual
+# Two commands set everything up: `make demo` (the main job) and `make test`. Each builds its virtual
 # environment when it is missing or older than pyproject.toml, then runs.
 PYTHON ?= python3
 VENV := .venv
@@ -9,6 +9,7 @@ OLDEST_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null && { echo "$$p"; exit; }; done; \
 	echo $(PYTHON))
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: test test-oldest demo bench clean
 
@@ -23,6 +24,12 @@ $(OLDEST_VENV)/.installed: pyproject.toml $(OLDEST_CONSTRAINTS)
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(OLDEST_VENV)/bin/python -m pip install --quiet -c $(OLDEST_CONSTRAINTS) -e '.[test]'
 	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m autocast demo $(DEMO_ARGS)
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/bench.py
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'

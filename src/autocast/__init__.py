@@ -36,6 +36,7 @@ from autocast.rules import (
     use_precision,
     use_widest_precision,
 )
+from autocast.report import Report, report
 from autocast.scaler import DynamicScalerState, dynamic_scale_grad, dynamic_scale_value_and_grad
 from autocast.transform import amp, amp_stop
 
@@ -48,6 +49,7 @@ __all__ = [
     "LossScaleUpdate",
     "NoOpLossScale",
     "Policy",
+    "Report",
     "StaticLossScale",
     "all_finite",
     "amp",
@@ -63,6 +65,7 @@ __all__ = [
     "half_dtype",
     "next_loss_scale",
     "parse_dtype",
+    "report",
     "select_tree",
     "use_compute_precision",
     "use_input_precision",

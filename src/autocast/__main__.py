@@ -1,4 +1,5 @@
-"""Command line: ``python -m autocast policy`` prints the default policy as Markdown."""
+"""Command line: ``python -m autocast demo`` (the main job) and ``python -m autocast policy``
+(the default policy as Markdown)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,23 @@ def _policy(_: argparse.Namespace) -> None:
     sys.stdout.write(_POLICY_DOC_HEAD + describe_default_policy() + "\n")
 
 
+def _demo(args: argparse.Namespace) -> None:
+    from autocast.demo import run
+
+    run(steps=args.steps, out=args.out)
+    print(f"plot and figures written to {args.out}/")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m autocast", description="jax-autocast tools")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("policy", help="print the default policy table as Markdown").set_defaults(
         run=_policy
     )
+    demo = commands.add_parser("demo", help="train a small GPT three ways and compare them")
+    demo.add_argument("--steps", type=int, default=600, help="training steps per run")
+    demo.add_argument("--out", default="autocast-demo", help="folder for the plot and figures")
+    demo.set_defaults(run=_demo)
     args = parser.parse_args(argv)
     args.run(args)
 

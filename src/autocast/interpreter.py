@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +87,8 @@ class Context:
     # Named scopes enclosing the jaxpr being evaluated: the caller's, then those of the
     # higher-order equations we descended through (inner jaxprs record scopes relative to them).
     scopes: tuple[str, ...] = ()
+    # Told of every first-order decision (the precision report listens); None in normal use.
+    observer: Callable[..., None] | None = dataclasses.field(default=None, compare=False)
 
     def enter(self, eqn: Any) -> Context:
         """The context for the sub-jaxprs of ``eqn``."""
@@ -203,7 +205,10 @@ def apply_first_order(eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Co
         # A cast of a constant is folded on the host, so it costs no equation.
         return cast_value(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
-    return _compat.bind_equation(eqn, invars, params)
+    outs = _compat.bind_equation(eqn, invars, params)
+    if ctx.observer is not None:
+        ctx.observer(eqn, rule, invars, outs, ctx.scopes)
+    return outs
 
 
 def eval_jaxpr(

@@ -102,7 +102,8 @@ def retrace(
         ctx.scopes,
     )
     held = (jaxpr, ctx.policy)
-    hit = TRACES.get(key, held)
+    # An observer must see every equation, so nothing is served from the cache to it.
+    hit = None if ctx.observer is not None else TRACES.get(key, held)
     if hit is not None:
         return hit
 
@@ -117,7 +118,8 @@ def retrace(
         return outs
 
     traced = jax.make_jaxpr(interpret)(*specs)
-    TRACES.put(key, held, traced)
+    if ctx.observer is None:
+        TRACES.put(key, held, traced)
     return traced
 
 

@@ -70,7 +70,8 @@ def cast_value(x: Any, dtype: Any) -> Any:
     if x.dtype == dtype:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x).astype(dtype)
+        with np.errstate(over="ignore"):  # -1e9 in float16 is -inf, as it is on a device
+            return np.asarray(x).astype(dtype)
     if not _cast_memos:
         return _compat.convert(x, dtype)
     memo = _cast_memos[-1]

@@ -1,0 +1,178 @@
+"""The main job: train a small GPT-style language model three ways and compare them.
+
+float32, amp with bfloat16 and amp with float16 plus dynamic loss scaling, on text the
+package generates itself (sums such as ``"17+25=42;"``; nothing is downloaded). Prints a
+progress bar per run, then a table, and writes a plot and the figures to ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import autocast
+from autocast import _measure, _models
+
+ALPHABET = "0123456789+=;"
+
+
+def corpus(n_sums: int = 4000, seed: int = 0) -> str:
+    """A text of random sums, ``"a+b=c;"`` with a, b below 100: learnable, and generated."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, 100, n_sums), rng.integers(0, 100, n_sums)
+    return "".join(f"{x}+{y}={x + y};" for x, y in zip(a, b))
+
+
+def batches(text: str, *, batch: int, seq: int, seed: int = 0):
+    """Endless random windows of ``seq + 1`` tokens (inputs and next-token targets)."""
+    tokens = np.array([ALPHABET.index(c) for c in text], np.int32)
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(tokens) - seq - 1, batch)
+        yield jnp.asarray(np.stack([tokens[s : s + seq + 1] for s in starts]))
+
+
+def _progress(total: int, label: str) -> Any:
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=label, ncols=90, leave=True)
+    except ImportError:  # the demo extra is missing: a plain counter
+        class Plain:
+            def __init__(self) -> None:
+                self.n = 0
+
+            def update(self, k: int) -> None:
+                self.n += k
+                if self.n % max(total // 10, 1) == 0 or self.n == total:
+                    print(f"{label}: {self.n}/{total}", flush=True)
+
+            def set_postfix_str(self, _: str) -> None:
+                pass
+
+            def close(self) -> None:
+                pass
+
+        return Plain()
+
+
+def _make_step(loss_fn: Callable[..., Any], optimizer: Any, scaled: bool) -> Callable[..., Any]:
+    if scaled:
+        grad_fn = autocast.dynamic_scale_value_and_grad(loss_fn)
+
+        def step(params, opt_state, scaler, tokens):
+            scaler, (loss, grads) = grad_fn(params, tokens, dynamic_scaler_state=scaler)
+            finite = autocast.all_finite(grads)
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            params, opt_state = autocast.select_tree(finite, (new_params, new_opt), (params, opt_state))
+            return params, opt_state, scaler, loss
+    else:
+        def step(params, opt_state, scaler, tokens):
+            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, scaler, loss
+
+    return jax.jit(step)
+
+
+def run(steps: int = 600, out: str | Path = "autocast-demo", *, seed: int = 0, quiet: bool = False) -> dict:
+    """Trains the three ways, prints the table, writes ``demo.png`` and ``demo.json``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(vocab=len(ALPHABET), d=64, layers=2, seq=32)
+    params0 = _models.init_gpt(jax.random.PRNGKey(seed), **config)
+    text = corpus(seed=seed)
+    optimizer = optax.adam(3e-3)
+    runs = {
+        "float32": (_models.gpt_loss, False),
+        "amp bfloat16": (autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16), False),
+        "amp float16 + scaling": (autocast.amp(_models.gpt_loss, compute_dtype=jnp.float16), True),
+    }
+    results: dict[str, dict] = {}
+    probe = next(batches(text, batch=16, seq=config["seq"], seed=seed))
+    for name, (loss_fn, scaled) in runs.items():
+        step = _make_step(loss_fn, optimizer, scaled)
+        # patience 100 rather than 2000, so a short run shows the scale move
+        params, opt_state = params0, optimizer.init(params0)
+        scaler = autocast.DynamicScalerState(patience=100)
+        losses, scales, times = [], [], []
+        bar = _progress(steps, name)
+        data = batches(text, batch=16, seq=config["seq"], seed=seed)
+        for i in range(steps):
+            tokens = next(data)
+            start = time.perf_counter()
+            params, opt_state, scaler, loss = step(params, opt_state, scaler, tokens)
+            loss = float(loss)  # waits for the step: the time is the step's
+            times.append(time.perf_counter() - start)
+            losses.append(loss)
+            scales.append(float(scaler.scaler))
+            bar.update(1)
+            if i % 10 == 0:
+                bar.set_postfix_str(f"loss {loss:.3f}")
+        bar.close()
+        grad_jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params0, probe)
+        results[name] = {
+            "final_loss": statistics.fmean(losses[-20:]),
+            "step_ms": 1e3 * statistics.median(times[1:]) if len(times) > 1 else 1e3 * times[0],
+            "activation_bytes": _measure.residual_bytes(loss_fn, params0, probe),
+            "low_precision_flop_share": _measure.low_precision_flop_share(grad_jaxpr),
+            "skipped_steps": int(scaler.total_resets) if scaled else 0,
+            "scale_changes": int(np.count_nonzero(np.diff(scales))) if scaled else 0,
+            "losses": losses,
+            "scales": scales if scaled else None,
+        }
+    table = format_table(results)
+    if not quiet:
+        print(table)
+    _plot(results, out / "demo.png")
+    (out / "demo.json").write_text(json.dumps(results, indent=1))
+    (out / "demo.txt").write_text(table + "\n")
+    return results
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """The comparison table, with losses relative to float32."""
+    ref = results["float32"]["final_loss"]
+    head = f"{'run':24} {'final loss':>10} {'vs f32':>7} {'step ms':>8} {'act. MB':>8} " \
+           f"{'16-bit FLOPs':>12} {'skipped':>7} {'scale changes':>13}"
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        lines.append(
+            f"{name:24} {r['final_loss']:10.4f} {r['final_loss'] / ref - 1:+7.2%} "
+            f"{r['step_ms']:8.2f} {r['activation_bytes'] / 2**20:8.2f} "
+            f"{r['low_precision_flop_share']:12.1%} {r['skipped_steps']:7d} {r['scale_changes']:13d}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed (pip install jax-autocast[demo]); no plot at {path}")
+        return
+    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        ax_loss.plot(r["losses"], label=name, linewidth=1)
+    ax_loss.set(title="training loss", xlabel="step", ylabel="cross-entropy")
+    ax_loss.legend()
+    for name, r in results.items():
+        if r["scales"] is not None:
+            ax_scale.semilogy(r["scales"], label=name)
+    ax_scale.set(title="float16 loss scale", xlabel="step", ylabel="scale")
+    ax_scale.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,176 @@
+"""What amp did to a function: which primitive ran in which dtype, by which rule, which
+casts it added and where, and what that saved (SPEC 5 measures, read off the jaxpr)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+from jax.extend import source_info_util
+
+from autocast import _measure
+from autocast.transform import amp as _amp
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveRow:
+    """One line of the report: a primitive with one combination of dtypes and rule."""
+
+    primitive: str
+    count: int
+    input_dtypes: str
+    output_dtypes: str
+    rule: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CastRow:
+    """Casts amp added at one place: ``from -> to`` dtypes, where, how many."""
+
+    source: str
+    target: str
+    where: str
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The precision report of one call; ``str(report)`` renders it as text tables.
+
+    ``summary`` holds the figures: ``low_precision_flop_share`` (forward and, when the
+    function can be differentiated, ``backward``), ``casts`` (casts amp added),
+    ``residual_bytes`` and ``residual_bytes_original`` (bytes ``jax.vjp`` keeps for the
+    backward pass with and without amp, ``None`` when not differentiable).
+    """
+
+    rows: tuple[PrimitiveRow, ...]
+    casts: tuple[CastRow, ...]
+    summary: Mapping[str, Any]
+
+    def __str__(self) -> str:
+        lines = ["amp precision report", ""]
+        lines += _table(
+            ("primitive", "count", "inputs", "outputs", "rule"),
+            [(r.primitive, str(r.count), r.input_dtypes, r.output_dtypes, r.rule) for r in self.rows],
+        )
+        lines += ["", "casts amp added"]
+        lines += _table(
+            ("from", "to", "where", "count"),
+            [(c.source, c.target, c.where, str(c.count)) for c in self.casts],
+        ) if self.casts else ["  (none)"]
+        lines += ["", "summary"]
+        lines += [f"  {k}: {_fmt(v)}" for k, v in self.summary.items()]
+        return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items())
+    if isinstance(v, float):
+        return f"{v:.1%}" if 0 <= v <= 1 else f"{v:.4g}"
+    return str(v)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
+
+
+def _dtypes(values: Any) -> str:
+    names = [np.dtype(x.dtype).name for x in values if hasattr(x, "dtype")]
+    return ",".join(names) if names else "-"
+
+
+def _matmul_flops(jaxpr: Any, bits: int = 16) -> tuple[int, int]:
+    low = total = 0
+    for eqn in _measure.equations(jaxpr):
+        if eqn.primitive.name in _measure._MATMUL_NAMES:
+            flops = _measure.matmul_flops(eqn)
+            total += flops
+            low += flops if all(v.aval.dtype.itemsize * 8 <= bits for v in eqn.invars[:2]) else 0
+    return low, total
+
+
+def _where(eqn: Any) -> str:
+    scope = str(eqn.source_info.name_stack)
+    location = source_info_util.summarize(eqn.source_info)
+    return f"{scope} @ {location}" if scope else location
+
+
+def report(
+    fn: Callable[..., Any],
+    *,
+    compute_dtype: Any = None,
+    amp_policy: Mapping[Any, Callable[..., Any]] | None = None,
+) -> Callable[..., Report]:
+    """Explains what ``amp(fn, compute_dtype=..., amp_policy=...)`` does on given arguments.
+
+    Returns a function taking ``fn``'s arguments and returning a :class:`Report`. Nothing is
+    run: everything is read off jaxprs.
+
+    >>> import autocast, jax, jax.numpy as jnp
+    >>> def loss(w, x):
+    ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+    >>> r = autocast.report(loss, compute_dtype=jnp.bfloat16)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    >>> r.summary["low_precision_flop_share"]
+    {'forward': 1.0, 'backward': 1.0}
+    >>> print(str(r).splitlines()[0])
+    amp precision report
+    """
+    amp_fn = _amp(fn, compute_dtype=compute_dtype, amp_policy=amp_policy)
+
+    def run(*args: Any, **kwargs: Any) -> Report:
+        seen: collections.Counter = collections.Counter()
+
+        def observe(eqn: Any, rule: Any, invars: Any, outs: Any, scopes: Any) -> None:
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            name = getattr(rule, "__name__", repr(rule))
+            seen[(eqn.primitive.name, _dtypes(invars), _dtypes(outs), name)] += 1
+
+        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+        traced = amp_fn._trace(in_tree, leaves, dynamic)
+        ctx = dataclasses.replace(amp_fn._context(), observer=observe)
+        amp_jaxpr = jax.make_jaxpr(traced.evaluate(ctx))(*[leaves[i] for i in dynamic])
+        original = traced.jaxpr
+
+        casts: collections.Counter = collections.Counter()
+        for eqn in _measure.float_casts(amp_jaxpr):
+            casts[(eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, _where(eqn))] += 1
+
+        low, total = _matmul_flops(amp_jaxpr)
+        share: dict[str, Any] = {"forward": low / total if total else None}
+        summary: dict[str, Any] = {"low_precision_flop_share": share}
+        summary["casts"] = _measure.count_casts(amp_jaxpr) - _measure.count_casts(original)
+        try:
+            def pullback(f: Callable[..., Any]) -> Callable[..., Any]:
+                def run_vjp(*a: Any, **k: Any) -> Any:
+                    out, vjp_fn = jax.vjp(lambda *p: f(*p, **k), *a)
+                    return vjp_fn(jax.tree_util.tree_map(lambda o: np.ones(o.shape, o.dtype), out))
+                return run_vjp
+
+            both = jax.make_jaxpr(pullback(amp_fn))(*args, **kwargs)
+            low_all, total_all = _matmul_flops(both)
+            back_total = total_all - total
+            share["backward"] = (low_all - low) / back_total if back_total else None
+            summary["residual_bytes"] = _measure.residual_bytes(lambda *a: amp_fn(*a, **kwargs), *args)
+            summary["residual_bytes_original"] = _measure.residual_bytes(lambda *a: fn(*a, **kwargs), *args)
+        except (TypeError, ValueError):  # not differentiable (integer outputs, ...)
+            share["backward"] = None
+            summary["residual_bytes"] = summary["residual_bytes_original"] = None
+
+        rows = tuple(
+            PrimitiveRow(prim, n, ins, outs, rule)
+            for (prim, ins, outs, rule), n in sorted(seen.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
+        cast_rows = tuple(
+            CastRow(src, dst, where, n)
+            for (src, dst, where), n in sorted(casts.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
+        return Report(rows, cast_rows, summary)
+
+    return run

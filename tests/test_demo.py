@@ -1,0 +1,40 @@
+"""The main job runs end to end (a few steps) and writes what it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from autocast import demo
+
+
+def test_demo_runs_and_writes_table_plot_and_figures(tmp_path, capsys):
+    results = demo.run(steps=12, out=tmp_path)
+    printed = capsys.readouterr().out
+    assert "amp float16 + scaling" in printed and "final loss" in printed
+    assert set(results) == {"float32", "amp bfloat16", "amp float16 + scaling"}
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert saved["amp bfloat16"]["low_precision_flop_share"] >= 0.99
+    assert saved["float32"]["low_precision_flop_share"] == 0.0
+    assert len(saved["amp float16 + scaling"]["scales"]) == 12
+    assert results["amp bfloat16"]["activation_bytes"] < results["float32"]["activation_bytes"]
+
+
+def test_corpus_is_generated_and_learnable_text():
+    text = demo.corpus(n_sums=50)
+    assert set(text) <= set(demo.ALPHABET)
+    first = text.split(";")[0]
+    a, rest = first.split("+")
+    b, c = rest.split("=")
+    assert int(a) + int(b) == int(c)
+
+
+def test_command_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "autocast", "demo", "--steps", "3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "demo.txt").read_text().startswith("run")
