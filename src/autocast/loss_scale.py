@@ -74,7 +74,12 @@ def _check_finite_flag(grads_finite: Any) -> jax.Array:
 
 
 class LossScaleUpdate(NamedTuple):
-    """The outcome of one step of the dynamic rule (see :func:`next_loss_scale`)."""
+    """The outcome of one step of the dynamic rule (see :func:`next_loss_scale`).
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.LossScaleUpdate(jnp.float32(8.0), jnp.int32(0)).loss_scale
+    Array(8., dtype=float32)
+    """
 
     loss_scale: jax.Array
     counter: jax.Array

@@ -111,10 +111,24 @@ def _find(state: Any) -> LossScalingState:
 
 def loss_scale_of(state: Any) -> Any:
     """The current loss scale in an optimizer state built by :func:`dynamic_loss_scaling`
-    (also when it is nested in ``optax.chain``); call its ``scale(loss)`` before ``grad``."""
+    (also when it is nested in ``optax.chain``); call its ``scale(loss)`` before ``grad``.
+
+    >>> import autocast.optax, jax.numpy as jnp, optax
+    >>> tx = optax.chain(optax.clip(1.0), autocast.optax.dynamic_loss_scaling(optax.sgd(0.1)))
+    >>> autocast.optax.loss_scale_of(tx.init(jnp.ones(2))).loss_scale
+    Array(32768., dtype=float32)
+    """
     return _find(state).loss_scale
 
 
 def skipped_steps(state: Any) -> jax.Array:
-    """How many steps :func:`dynamic_loss_scaling` has skipped for non-finite gradients."""
+    """How many steps :func:`dynamic_loss_scaling` has skipped for non-finite gradients.
+
+    >>> import autocast.optax, jax.numpy as jnp, optax
+    >>> tx = autocast.optax.dynamic_loss_scaling(optax.sgd(0.1))
+    >>> state = tx.init(jnp.ones(2))
+    >>> _, state = tx.update(jnp.array([jnp.nan, 1.0]), state, jnp.ones(2))
+    >>> autocast.optax.skipped_steps(state), autocast.optax.loss_scale_of(state).loss_scale
+    (Array(1, dtype=int32), Array(16384., dtype=float32))
+    """
     return _find(state).inner.total_notfinite

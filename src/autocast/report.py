@@ -44,6 +44,11 @@ class Report:
     function can be differentiated, ``backward``), ``casts`` (casts amp added),
     ``residual_bytes`` and ``residual_bytes_original`` (bytes ``jax.vjp`` keeps for the
     backward pass with and without amp, ``None`` when not differentiable).
+
+    >>> import autocast, jax.numpy as jnp
+    >>> r = autocast.report(lambda w: jnp.sum(w @ w), compute_dtype=jnp.bfloat16)(jnp.ones((2, 2)))
+    >>> [(row.primitive, row.input_dtypes, row.rule) for row in r.rows if row.primitive == "dot_general"]
+    [('dot_general', 'bfloat16,bfloat16', 'use_compute_precision')]
     """
 
     rows: tuple[PrimitiveRow, ...]

@@ -242,7 +242,8 @@ _SELECTION = "input dtype: picks among values exactly"
 _USER_CAST = "input dtype: a cast the user wrote keeps its target dtype"
 
 # (primitive name, precision function, reason). Rows for primitives that a JAX version lacks
-# are skipped when the policy is built.
+# are skipped when the policy is built. Public: `autocast.DEFAULT_PRECISION_TABLE`, e.g.
+# `[name for name, rule, _ in DEFAULT_PRECISION_TABLE if rule is use_compute_precision]`.
 DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("dot_general", use_compute_precision, _MATMUL),
     ("conv_general_dilated", use_compute_precision, _MATMUL),
