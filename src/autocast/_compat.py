@@ -193,11 +193,10 @@ def aval_of(x: Any) -> Any:
 _SCALAR_COMPUTATION_PARAMS = {
     "scatter": ("update_jaxpr", "update_consts"),
     "scatter-add": ("update_jaxpr", "update_consts"),
-    "scatter_add": ("update_jaxpr", "update_consts"),
-    "scatter_sub": ("update_jaxpr", "update_consts"),
-    "scatter_mul": ("update_jaxpr", "update_consts"),
-    "scatter_min": ("update_jaxpr", "update_consts"),
-    "scatter_max": ("update_jaxpr", "update_consts"),
+    "scatter-sub": ("update_jaxpr", "update_consts"),
+    "scatter-mul": ("update_jaxpr", "update_consts"),
+    "scatter-min": ("update_jaxpr", "update_consts"),
+    "scatter-max": ("update_jaxpr", "update_consts"),
 }
 FIRST_ORDER_WITH_JAXPRS = frozenset(_SCALAR_COMPUTATION_PARAMS)
 

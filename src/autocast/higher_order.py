@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
-from autocast.interpreter import STRONG, WEAK, Context, decide_by_scope, eval_jaxpr
+from autocast.interpreter import SPREAD, STRONG, Context, decide_by_scope, eval_jaxpr
 from autocast.retrace import (
     TRACES,
     literals_of,
@@ -95,12 +95,12 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
     """``jax.checkpoint``: the same ``policy`` object, ``prevent_cse`` and ``differentiated``
     flag, so ``checkpoint_name`` marks inside still decide what is saved.
 
-    A checkpoint's inputs are what the backward pass keeps. A WEAK one (an embedding that
-    starts a residual stream, a constant) enters in the compute dtype, as the stream it
-    starts is 16-bit from the first block on; other inputs enter as they are."""
+    A checkpoint's inputs are what the backward pass keeps. A SPREAD one (the embedding that
+    starts a residual stream) enters in the compute dtype, as the stream it starts is 16-bit
+    from the first block on; other inputs, constants included, enter as they are."""
     jaxpr = eqn.params["jaxpr"]
     invals = [
-        cast_value(x, ctx.compute_dtype) if k == WEAK and _castable(x, v.aval.dtype) else x
+        cast_value(x, ctx.compute_dtype) if k == SPREAD and _castable(x, v.aval.dtype) else x
         for x, k, v in zip(invals, kinds, eqn.invars)
     ]
     traced = retrace(
@@ -123,14 +123,14 @@ def _carry_dtypes(
 ) -> list[Any]:
     """The dtype each loop carry keeps through the loop.
 
-    A carry keeps the dtype it enters with, except one that enters WEAK (a residual stream
-    starting at an embedding, a mask built from constants): that one takes the dtype one
-    iteration makes of it, as it would if the loop were unrolled, provided the next iteration
-    keeps it. An accumulator that starts at ``jnp.zeros`` and adds float32 values stays
-    float32; a stream of 16-bit activations becomes 16-bit before the loop.
+    A carry keeps the dtype it enters with, except one that enters SPREAD (a residual stream
+    starting at an embedding): that one takes the dtype one iteration makes of it, as it
+    would if the loop were unrolled, provided the next iteration keeps it. So a stream of
+    activations is 16-bit through the loop, while an accumulator, which starts at a constant
+    such as ``jnp.zeros``, keeps the dtype it starts with.
     """
     entering = [specs[i].dtype for i in carry]
-    weak = [kinds[i] == WEAK for i in carry]
+    weak = [kinds[i] == SPREAD for i in carry]
     if not any(weak):
         return entering
     first = retrace(body, consts, specs, kinds, ctx, literals=literals)
@@ -408,6 +408,12 @@ def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     ))
 
 
+def _original_precision(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """Linear solves and reductions with a custom computation run as the program wrote them
+    (SPEC 3.4 keeps linear algebra out of 16 bits): inputs back to their recorded dtypes."""
+    return _bind_in_original_precision(eqn, invals, kinds, ctx)
+
+
 HANDLERS: dict[str, Handler] = {
     **{name: _jit for name in _compat.JIT_NAMES},
     "closed_call": _inline_call,
@@ -422,6 +428,9 @@ HANDLERS: dict[str, Handler] = {
     "custom_vjp_call_jaxpr": _custom_vjp,
     "shard_map": _shard_map,
     "xla_pmap": _pmap,
+    "custom_linear_solve": _original_precision,  # jnp.linalg.solve / inv, scipy expm, cg
+    "reduce": _original_precision,  # lax.reduce with a computation of its own
+    "reduce_window": _original_precision,  # lax.reduce_window likewise
 }
 
 

@@ -9,13 +9,16 @@ bound again on whatever trace is current, so ``jit``, ``grad`` and ``vmap`` comp
 Every value has a kind that says how much its dtype should count:
 
 - ``WEAK``: a literal or a value computed from literals alone (``jnp.zeros``, a mask built
-  from ``iota``), an input broadcast against something larger (a bias, a layer-norm gain),
-  or rows looked up from an input table (an embedding: the lookup is the one-hot matrix
-  product it stands for). It carries no dtype decision of its own: before the policy is
-  consulted it takes the dtype of the other values it meets, so ``x * 2.0``,
-  ``jnp.where(m, x, 0.0)`` and ``x @ w + b`` keep a 16-bit activation 16-bit, as PyTorch's
-  linear layer does with its bias, and a residual stream that starts at an embedding is
-  16-bit from the first block on, as a hand-cast model's is.
+  from ``iota``). It carries no dtype decision of its own: before the policy is consulted it
+  takes the dtype of the other values it meets, so ``x * 2.0`` and ``jnp.where(m, x, 0.0)``
+  keep a 16-bit activation 16-bit.
+- ``SPREAD``: an input broadcast against something larger (a bias, a layer-norm gain), rows
+  looked up from an input table (an embedding: the lookup is the one-hot matrix product it
+  stands for), or values computed from these and constants alone. It adapts like a WEAK
+  value, so ``x @ w + b`` stays 16-bit as PyTorch's linear layer does with its bias, and it
+  is data: a residual stream that starts at an embedding is 16-bit from the first block on,
+  inside loops and checkpoints too, as a hand-cast model's is (a constant is not data: an
+  accumulator that starts at ``jnp.zeros`` keeps its dtype).
 - ``RAW``: an input of the function (a parameter, a batch) or a piece of one cut out by pure
   data movement. It keeps its dtype, so a float32 parameter updated by a 16-bit gradient is
   updated in float32.
@@ -41,7 +44,8 @@ from autocast.rules import (
     use_original_precision,
 )
 
-STRONG, RAW, WEAK = 0, 1, 2
+STRONG, RAW, WEAK, SPREAD = 0, 1, 2, 3
+ADAPTABLE = (WEAK, SPREAD)
 
 # Primitives that only move data: an input cut out by them is still an input. Of these,
 # broadcasting and looking rows up make it WEAK: applied across something larger.
@@ -72,8 +76,10 @@ def output_kind(name: str, invals: Sequence[Any], kinds: Sequence[int]) -> int:
         return STRONG
     if all(k == WEAK for k in float_kinds):
         return WEAK
+    if all(k in ADAPTABLE for k in float_kinds):
+        return SPREAD
     if name in _MOVEMENT and STRONG not in float_kinds:
-        return WEAK if name in _SPREAD else RAW
+        return SPREAD if name in _SPREAD else RAW
     return STRONG
 
 
@@ -91,8 +97,9 @@ class Context:
     observer: Callable[..., None] | None = dataclasses.field(default=None, compare=False)
 
     def enter(self, eqn: Any) -> Context:
-        """The context for the sub-jaxprs of ``eqn``."""
-        inner = _compat.scope_names(eqn)
+        """The context for the sub-jaxprs of ``eqn``. Only scopes the policy names are kept:
+        they are all a decision can depend on, and re-traced sub-jaxprs are cached by them."""
+        inner = tuple(s for s in _compat.scope_names(eqn) if s in self.scope_keys)
         return dataclasses.replace(self, scopes=self.scopes + inner) if inner else self
 
 
@@ -117,7 +124,7 @@ def decide(eqn: Any, ctx: Context) -> PrecisionFn:
 
 
 class Deferred:
-    """A broadcast of a WEAK value, not yet emitted: its dtype is decided by its first use.
+    """A broadcast of a WEAK or SPREAD value, not yet emitted: its first use decides its dtype.
 
     Broadcasting a bias, a layer-norm gain or the ``-1e9`` of a mask and then casting the big
     result would cost a full-size cast; emitting the broadcast only once the dtype it must
@@ -154,14 +161,16 @@ def _materialized(x: Any) -> Any:
 
 
 def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
-    """Casts WEAK floating inputs to the widest dtype of the other floating inputs."""
-    others = {x.dtype for x, k, o in zip(invals, kinds, original) if k != WEAK and _castable(x, o)}
+    """Casts WEAK and SPREAD floating inputs to the widest dtype of the other floating inputs."""
+    others = {
+        x.dtype for x, k, o in zip(invals, kinds, original) if k not in ADAPTABLE and _castable(x, o)
+    }
     if not others:
         return [_materialized(x) for x in invals]
     target = next(iter(others)) if len(others) == 1 else jnp.result_type(*others)
     adapted = []
     for x, k, o in zip(invals, kinds, original):
-        if k == WEAK and _castable(x, o) and x.dtype != target:
+        if k in ADAPTABLE and _castable(x, o) and x.dtype != target:
             x = x.materialize(target) if isinstance(x, Deferred) else cast_value(x, target)
         adapted.append(_materialized(x))
     return adapted
@@ -195,7 +204,7 @@ def _checked_rule_output(rule: PrecisionFn, eqn: Any, result: Any, n_in: int) ->
 def apply_first_order(eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context) -> Any:
     """Decides, casts and binds one first-order equation."""
     original = [v.aval.dtype for v in eqn.invars]
-    if WEAK in kinds:
+    if WEAK in kinds or SPREAD in kinds:
         invals = adapt_weak(invals, kinds, original)
     rule = decide(eqn, ctx)
     invars, params = _checked_rule_output(
@@ -256,7 +265,7 @@ def _eval_jaxpr(
                 kinds.append(kind_of[var])
         kind = output_kind(eqn.primitive.name, invals, kinds)
         handler = handler_for(eqn, ctx)
-        if handler is None and kind == WEAK and eqn.primitive.name == _BROADCAST:
+        if handler is None and kind in ADAPTABLE and eqn.primitive.name == _BROADCAST:
             if decide(eqn, ctx) is use_input_precision:
                 env[eqn.outvars[0]] = Deferred(eqn, invals[0])
                 kind_of[eqn.outvars[0]] = kind

@@ -56,11 +56,13 @@ def _checked_scale(value: Any, name: str) -> jax.Array:
     return jnp.asarray(value, dtype=jnp.float32)
 
 
-def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-    # Multiply in at least float32 and cast back: the leaf keeps its dtype, and neither the
-    # factor nor its inverse is rounded to float16 (2**16 would overflow, 2**-25 would vanish).
+def _scale_leaf(x: jax.Array, factor: jax.Array, divide: bool = False) -> jax.Array:
+    # Work in at least float32 and cast back: the leaf keeps its dtype, and the factor is
+    # never rounded to float16 (2**16 would overflow). Unscaling divides rather than
+    # multiplying by the inverse, which is subnormal, or zero, above 2**126.
     wide = jnp.promote_types(x.dtype, jnp.float32)
-    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+    op = jnp.divide if divide else jnp.multiply
+    return op(x.astype(wide), factor.astype(wide)).astype(x.dtype)
 
 
 def _check_finite_flag(grads_finite: Any) -> jax.Array:
@@ -168,8 +170,7 @@ class _LossScaleBase:
 
     def unscale(self, tree: T) -> T:
         """Divides the floating-point leaves of ``tree`` by the loss scale, keeping dtypes."""
-        inverse = 1.0 / self.loss_scale
-        return map_floating(lambda x: _scale_leaf(x, inverse), tree)
+        return map_floating(lambda x: _scale_leaf(x, self.loss_scale, divide=True), tree)
 
 
 @_register

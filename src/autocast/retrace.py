@@ -44,7 +44,8 @@ class _IdentityCache:
             self._entries.popitem(last=False)
 
 
-TRACES = _IdentityCache(4096)
+# Entries hold jaxprs and their constants (weights a function closed over): kept small.
+TRACES = _IdentityCache(512)
 
 
 def spec_of(x: Any) -> Any:
@@ -90,12 +91,12 @@ def retrace(
     value, and ``out_dtypes`` (None entries free) the dtypes outputs are cast to at the end.
     """
     literals = literals or {}
-    out_key = None if out_dtypes is None else tuple(None if d is None else np.dtype(d) for d in out_dtypes)
+    out_key = None if out_dtypes is None else tuple(out_dtypes)
     key = (
         id(jaxpr),
         tuple(specs),
         tuple(kinds),
-        tuple((i, x.dtype, x.item()) for i, x in literals.items()),
+        tuple((i, x.dtype, x.tobytes()) for i, x in literals.items()),  # -0.0 is not 0.0
         out_key,
         id(ctx.policy),
         ctx.compute_dtype,

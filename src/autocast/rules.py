@@ -101,6 +101,9 @@ def use_compute_precision(
 ) -> tuple[Sequence[Any], dict[str, Any]]:
     """Runs the primitive in ``compute_dtype``: inputs are cast and so is the result.
 
+    It only ever narrows: an operation the program already wrote in fewer bits than
+    ``compute_dtype`` (a bfloat16 matmul under ``compute_dtype=float32``) keeps its dtype.
+
     >>> import autocast, jax.numpy as jnp
     >>> (a, b), params = autocast.use_compute_precision(
     ...     jnp.bfloat16, [jnp.float32] * 2, jnp.ones(2), jnp.ones(2),
@@ -108,6 +111,9 @@ def use_compute_precision(
     >>> a.dtype, params["preferred_element_type"]
     (dtype(bfloat16), dtype(bfloat16))
     """
+    widths = [np.dtype(o).itemsize for x, o in zip(invars, original_dtypes) if _castable(x, o)]
+    if widths and max(widths) < np.dtype(compute_dtype).itemsize:
+        return use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params)
     return _cast_all(compute_dtype, original_dtypes, invars), _with_result_dtype(
         bind_params, compute_dtype
     )
@@ -196,7 +202,33 @@ def use_precision(dtype: Any) -> PrecisionFn:
     return rule
 
 
-use_float32_precision = use_precision(jnp.float32)
+def use_full_precision(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """Runs the primitive no narrower than the program did: in the wider of each input's
+    original dtype and the dtype it arrives in. For a float32 program that is float32; an
+    operation the program itself wrote in bfloat16 stays bfloat16, so ``compute_dtype=float32``
+    changes nothing at all.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> (a,), _ = autocast.use_full_precision(jnp.bfloat16, [jnp.float32], jnp.ones(2, jnp.bfloat16))
+    >>> (b,), _ = autocast.use_full_precision(jnp.bfloat16, [jnp.bfloat16], jnp.ones(2, jnp.bfloat16))
+    >>> a.dtype, b.dtype
+    (dtype('float32'), dtype(bfloat16))
+    """
+    wanted = {
+        np.dtype(jnp.promote_types(x.dtype, o))
+        for x, o in zip(invars, original_dtypes)
+        if _castable(x, o)
+    }
+    if not wanted:
+        return invars, bind_params
+    target = next(iter(wanted)) if len(wanted) == 1 else np.dtype(jnp.result_type(*wanted))
+    return _cast_all(target, original_dtypes, invars), _with_result_dtype(bind_params, target)
+
+
+# The float32 rows of the table: float32 for a float32 program, never narrower than the program.
+use_float32_precision = use_full_precision
 
 # Squares and cubes (variances, tanh-GELU) stay in the input dtype; higher powers overflow
 # float16 too easily and go to float32.
@@ -262,7 +294,7 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("cumlogsumexp", use_float32_precision, _ACCUMULATE),
     ("reduce_window_sum", use_float32_precision, _ACCUMULATE),
     ("scatter-add", use_float32_precision, _ACCUMULATE + " (repeated indices add up)"),
-    ("scatter_mul", use_float32_precision, _ACCUMULATE + " (repeated indices multiply)"),
+    ("scatter-mul", use_float32_precision, _ACCUMULATE + " (repeated indices multiply)"),
     ("sqrt", use_float32_precision, _STATISTIC),
     ("rsqrt", use_float32_precision, _STATISTIC),
     ("cbrt", use_float32_precision, _STATISTIC),
@@ -310,8 +342,8 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("add_any", use_widest_precision, _JOIN),
     ("dynamic_update_slice", use_widest_precision, _JOIN),
     ("scatter", use_widest_precision, _JOIN),
-    ("scatter_min", use_widest_precision, _JOIN),
-    ("scatter_max", use_widest_precision, _JOIN),
+    ("scatter-min", use_widest_precision, _JOIN),
+    ("scatter-max", use_widest_precision, _JOIN),
     ("select_and_scatter_add", use_widest_precision, _JOIN),
     ("select_and_gather_add", use_widest_precision, _JOIN),
     ("eq", use_widest_precision, _COMPARE),

@@ -57,9 +57,13 @@ class _Traced:
     def evaluate(self, ctx: Context) -> Callable[..., list]:
         """The jaxpr evaluated under ``ctx``, outputs cast back to the original dtypes."""
         return lambda *args: [
-            cast_value(x, d) if _castable(x, d) else x
+            cast_value(x, d) if x.dtype != d and _floating(x.dtype) and _floating(d) else x
             for x, d in zip(eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, args, ctx), self.out_dtypes)
         ]
+
+
+def _floating(dtype: Any) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
 def _is_array(x: Any) -> bool:
@@ -87,12 +91,18 @@ class _Amp:
             compute_dtype=self._compute_dtype,
             policy=self._policy,
             scope_keys=self._scope_keys,
-            scopes=_compat.current_scope_names(),
+            scopes=tuple(s for s in _compat.current_scope_names() if s in self._scope_keys),
         )
 
     def _trace(self, in_tree: Any, leaves: list, dynamic: list[int]) -> _Traced:
         specs = [_compat.aval_of(leaves[i]) for i in dynamic]
-        statics = tuple((i, leaves[i]) for i in range(len(leaves)) if i not in set(dynamic))
+        dyn = set(dynamic)
+        # keyed by type as well as value: 1, 1.0 and True are equal but trace differently
+        statics = tuple(
+            (i, type(leaves[i]), leaves[i], repr(leaves[i]) if isinstance(leaves[i], float) else None)
+            for i in range(len(leaves))
+            if i not in dyn
+        )
         key = (in_tree, tuple(specs), statics)
         try:
             hit = self._traces.get(key)
