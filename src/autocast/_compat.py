@@ -6,7 +6,6 @@ JAX upgrade is met in this one file. Supported: JAX 0.6.2 to 0.10.x.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import re

@@ -13,7 +13,7 @@ import numpy as np
 from autocast import _compat
 from autocast.interpreter import Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
-from autocast.rules import _castable, cast_value, default_amp_policy
+from autocast.rules import cast_value, default_amp_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
