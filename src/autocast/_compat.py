@@ -167,8 +167,7 @@ def sub_jaxpr_params(params: dict[str, Any]) -> list[str]:
 
 def custom_call_jaxpr(eqn: Any) -> ClosedJaxpr:
     """The primal jaxpr of a ``custom_jvp_call`` or ``custom_vjp_call`` equation."""
-    call = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
-    return call if isinstance(call, ClosedJaxpr) else ClosedJaxpr(call, ())
+    return eqn.params["call_jaxpr"]
 
 
 def open_jaxpr(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from autocast import _compat
+from autocast._tree import is_floating_dtype
 
 _MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"})
 
@@ -43,8 +44,8 @@ def matmul_flops(eqn: Any) -> int:
     return 2 * math.prod(out.shape) * lhs.shape[-1]
 
 
-def low_precision_flop_share(jaxpr: Any, bits: int = 16) -> float:
-    """Share of matmul/conv FLOPs whose operands are all floats of at most ``bits`` bits."""
+def matmul_flop_counts(jaxpr: Any, bits: int = 16) -> tuple[int, int]:
+    """``(low, total)``: matmul/conv FLOPs whose operands have at most ``bits`` bits, and all."""
     total = low = 0
     for eqn in equations(jaxpr):
         if eqn.primitive.name not in _MATMUL_NAMES:
@@ -53,6 +54,12 @@ def low_precision_flop_share(jaxpr: Any, bits: int = 16) -> float:
         total += flops
         if all(v.aval.dtype.itemsize * 8 <= bits for v in eqn.invars[:2]):
             low += flops
+    return low, total
+
+
+def low_precision_flop_share(jaxpr: Any, bits: int = 16) -> float:
+    """Share of matmul/conv FLOPs whose operands are all floats of at most ``bits`` bits."""
+    low, total = matmul_flop_counts(jaxpr, bits)
     return low / total if total else float("nan")
 
 
@@ -62,8 +69,8 @@ def float_casts(jaxpr: Any) -> list[Any]:
         eqn
         for eqn in equations(jaxpr)
         if eqn.primitive.name == "convert_element_type"
-        and _is_float(eqn.invars[0].aval.dtype)
-        and _is_float(eqn.outvars[0].aval.dtype)
+        and is_floating_dtype(eqn.invars[0].aval.dtype)
+        and is_floating_dtype(eqn.outvars[0].aval.dtype)
         and eqn.invars[0].aval.dtype != eqn.outvars[0].aval.dtype
     ]
 
@@ -87,16 +94,12 @@ def _wasted(jaxpr: Any) -> int:
             src = eqn.invars[0]
             before = producer.get(src) if not isinstance(src, _compat.Literal) else None
             if before is not None and before.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
-                if _is_float(eqn.outvars[0].aval.dtype):
+                if is_floating_dtype(eqn.outvars[0].aval.dtype):
                     waste += 1
             producer[eqn.outvars[0]] = eqn
         for sub in _compat.sub_jaxprs(eqn):
             waste += _wasted(sub)
     return waste
-
-
-def _is_float(dtype: Any) -> bool:
-    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
 def residual_bytes(fn: Callable[..., Any], *args: Any, include_inputs: bool = True) -> int:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
+from autocast._tree import is_inexact_dtype
 from autocast.interpreter import SPREAD, STRONG, Context, decide_by_scope, eval_jaxpr
 from autocast.retrace import (
     TRACES,
@@ -34,10 +35,6 @@ Handler = Callable[[Any, list, Sequence[int], Context], Sequence[Any]]
 
 def _as_list(eqn: Any, outs: Any) -> list[Any]:
     return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def _inexact(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _float0_zeros(aval: Any) -> np.ndarray:
@@ -130,12 +127,12 @@ def _carry_dtypes(
     such as ``jnp.zeros``, keeps the dtype it starts with.
     """
     entering = [specs[i].dtype for i in carry]
-    weak = [kinds[i] == SPREAD for i in carry]
-    if not any(weak):
+    spread = [kinds[i] == SPREAD for i in carry]
+    if not any(spread):
         return entering
     first = retrace(body, consts, specs, kinds, ctx, literals=literals)
     proposed = [
-        a.dtype if w else d for a, d, w in zip(first.out_avals[: len(carry)], entering, weak)
+        a.dtype if s else d for a, d, s in zip(first.out_avals[: len(carry)], entering, spread)
     ]
     if proposed == entering:
         return entering
@@ -238,16 +235,27 @@ def _cond(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
 
 # --- custom derivatives -------------------------------------------------------------------------
 
+def _once_per_equation(build: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``build(eqn)`` computed once per equation (cached by identity in the shared cache)."""
+
+    def cached(eqn: Any) -> Any:
+        key = (build.__name__, id(eqn))
+        hit = TRACES.get(key, (eqn,))
+        if hit is None:
+            hit = build(eqn)
+            TRACES.put(key, (eqn,), hit)
+        return hit
+
+    return cached
+
+
+@_once_per_equation
 def _custom_jvp_rule_jaxpr(eqn: Any) -> Any:
     """The jaxpr of ``eqn``'s own JVP rule at the original dtypes: primals and float tangents
     in, primal and float tangent outputs out. Traced once per equation."""
-    key = ("custom_jvp_rule", id(eqn))
-    hit = TRACES.get(key, (eqn,))
-    if hit is not None:
-        return hit
     in_avals = [v.aval for v in eqn.invars]
-    diff = [_inexact(a.dtype) for a in in_avals]
-    out_diff = [_inexact(v.aval.dtype) for v in eqn.outvars]
+    diff = [is_inexact_dtype(a.dtype) for a in in_avals]
+    out_diff = [is_inexact_dtype(v.aval.dtype) for v in eqn.outvars]
 
     def rule(*args: Any) -> list[Any]:
         primals = tuple(args[: len(in_avals)])
@@ -259,9 +267,7 @@ def _custom_jvp_rule_jaxpr(eqn: Any) -> Any:
         return list(outs) + [t for t, d in zip(out_tangents, out_diff) if d]
 
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-    traced = jax.make_jaxpr(rule)(*specs, *[s for s, d in zip(specs, diff) if d])
-    TRACES.put(key, (eqn,), traced)
-    return traced
+    return jax.make_jaxpr(rule)(*specs, *[s for s, d in zip(specs, diff) if d])
 
 
 def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
@@ -278,13 +284,13 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     @fn.defjvp
     def fn_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
         rule = _custom_jvp_rule_jaxpr(eqn)
-        float_tangents = [t for t, v in zip(tangents, eqn.invars) if _inexact(v.aval.dtype)]
+        float_tangents = [t for t, v in zip(tangents, eqn.invars) if is_inexact_dtype(v.aval.dtype)]
         outs = eval_jaxpr(rule.jaxpr, rule.consts, [*primals, *float_tangents], inner)
         n_out = len(eqn.outvars)
         out_primals = [cast_value(x, d) for x, d in zip(outs[:n_out], out_dtypes)]
         it = iter(outs[n_out:])
         out_tangents = [
-            cast_value(next(it), d) if _inexact(v.aval.dtype) else _float0_zeros(v.aval)
+            cast_value(next(it), d) if is_inexact_dtype(v.aval.dtype) else _float0_zeros(v.aval)
             for v, d in zip(eqn.outvars, out_dtypes)
         ]
         return out_primals, out_tangents
@@ -292,18 +298,15 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     return fn(*invals)
 
 
+@_once_per_equation
 def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, int]:
     """The user's forward and backward rules as jaxprs at the original dtypes, traced once:
     ``fwd(consts, args) -> (outs, residuals)`` and ``bwd(residuals, cotangents) -> float
     cotangents of args``, with the number of residuals between them. The leading
     ``num_consts`` inputs are values the function closed over: never differentiated."""
-    key = ("custom_vjp_rules", id(eqn))
-    hit = TRACES.get(key, (eqn,))
-    if hit is not None:
-        return hit
     n_consts = eqn.params.get("num_consts", 0)
     in_avals = [v.aval for v in eqn.invars]
-    diff = [_inexact(a.dtype) for a in in_avals[n_consts:]]
+    diff = [is_inexact_dtype(a.dtype) for a in in_avals[n_consts:]]
     store: dict[str, Any] = {}
 
     def fwd(*inputs: Any) -> tuple[list, list]:
@@ -324,9 +327,7 @@ def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, int]:
 
     ct_specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
     bwd_jaxpr = jax.make_jaxpr(bwd)(list(res_shapes), ct_specs)
-    result = (fwd_jaxpr, bwd_jaxpr, len(res_shapes))
-    TRACES.put(key, (eqn,), result)
-    return result
+    return fwd_jaxpr, bwd_jaxpr, len(res_shapes)
 
 
 def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
@@ -340,7 +341,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     out_dtypes = [a.dtype for a in primal.out_avals]
     n_consts = eqn.params.get("num_consts", 0)
     consts, args = invals[:n_consts], invals[n_consts:]
-    diff = [_inexact(v.aval.dtype) for v in eqn.invars[n_consts:]]
+    diff = [is_inexact_dtype(v.aval.dtype) for v in eqn.invars[n_consts:]]
 
     @jax.custom_vjp
     def fn(*args: Any) -> list[Any]:
@@ -408,10 +409,17 @@ def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     ))
 
 
-def _original_precision(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """Linear solves and reductions with a custom computation run as the program wrote them
-    (SPEC 3.4 keeps linear algebra out of 16 bits): inputs back to their recorded dtypes."""
-    return _bind_in_original_precision(eqn, invals, kinds, ctx)
+def _bind_in_original_precision(
+    eqn: Any, invals: list, kinds: Sequence[int], ctx: Context
+) -> Sequence[Any]:
+    """Bound exactly as recorded, on inputs cast back to their recorded dtypes: linear solves
+    and reductions with a computation of their own (SPEC 3.4 keeps linear algebra out of 16
+    bits), and any higher-order equation under a scope that asks for original precision."""
+    invals = [
+        cast_value(x, v.aval.dtype) if _castable(x, v.aval.dtype) else x
+        for x, v in zip(invals, eqn.invars)
+    ]
+    return _compat.bind_equation(eqn, invals, eqn.params)
 
 
 HANDLERS: dict[str, Handler] = {
@@ -419,31 +427,17 @@ HANDLERS: dict[str, Handler] = {
     "closed_call": _inline_call,
     "core_call": _inline_call,
     "remat2": _remat,
-    "checkpoint": _remat,
     "scan": _scan,
     "while": _while,
     "cond": _cond,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
-    "custom_vjp_call_jaxpr": _custom_vjp,
     "shard_map": _shard_map,
     "xla_pmap": _pmap,
-    "custom_linear_solve": _original_precision,  # jnp.linalg.solve / inv, scipy expm, cg
-    "reduce": _original_precision,  # lax.reduce with a computation of its own
-    "reduce_window": _original_precision,  # lax.reduce_window likewise
+    "custom_linear_solve": _bind_in_original_precision,  # jnp.linalg.solve / inv, expm, cg
+    "reduce": _bind_in_original_precision,  # lax.reduce with a computation of its own
+    "reduce_window": _bind_in_original_precision,  # lax.reduce_window likewise
 }
-
-
-def _bind_in_original_precision(
-    eqn: Any, invals: list, kinds: Sequence[int], ctx: Context
-) -> Sequence[Any]:
-    """An unsupported higher-order equation under a scope that asks for original precision:
-    bound exactly as recorded, on inputs cast back to their recorded dtypes."""
-    invals = [
-        cast_value(x, v.aval.dtype) if _castable(x, v.aval.dtype) else x
-        for x, v in zip(invals, eqn.invars)
-    ]
-    return _compat.bind_equation(eqn, invals, eqn.params)
 
 
 # Primitive names seen to carry no sub-jaxprs: the common case is decided once per name.

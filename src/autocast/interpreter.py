@@ -28,13 +28,13 @@ Every value has a kind that says how much its dtype should count:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
+from autocast._tree import is_floating_dtype
 from autocast.rules import (
     PrecisionFn,
     _castable,
@@ -48,7 +48,7 @@ STRONG, RAW, WEAK, SPREAD = 0, 1, 2, 3
 ADAPTABLE = (WEAK, SPREAD)
 
 # Primitives that only move data: an input cut out by them is still an input. Of these,
-# broadcasting and looking rows up make it WEAK: applied across something larger.
+# broadcasting and looking rows up make it SPREAD: applied across something larger.
 _MOVEMENT = frozenset({
     "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "gather",
     "convert_element_type", "copy", "copy_p", "rev", "concatenate", "split", "broadcast_in_dim",
@@ -57,21 +57,16 @@ _BROADCAST = "broadcast_in_dim"
 _SPREAD = frozenset({_BROADCAST, "gather"})
 
 
-@functools.lru_cache(maxsize=None)
-def _is_float(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
 def output_kind(name: str, invals: Sequence[Any], kinds: Sequence[int]) -> int:
     """The kind of an equation's outputs, from its primitive and its inputs' kinds."""
     if STRONG in kinds and name not in _MOVEMENT:
         # Fast path for most of a model; a STRONG input can still be an integer index of a
         # WEAK or RAW float value (a gather), which the slow path below sees.
-        if any(k == STRONG and _is_float(x.dtype) for k, x in zip(kinds, invals)):
+        if any(k == STRONG and is_floating_dtype(x.dtype) for k, x in zip(kinds, invals)):
             return STRONG
     if all(k == WEAK for k in kinds):
         return WEAK
-    float_kinds = [k for k, x in zip(kinds, invals) if _is_float(x.dtype)]
+    float_kinds = [k for k, x in zip(kinds, invals) if is_floating_dtype(x.dtype)]
     if not float_kinds:
         return STRONG
     if all(k == WEAK for k in float_kinds):

@@ -20,10 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from autocast._tree import map_floating
+from autocast._tree import is_array, is_inexact_array, map_floating
 
 T = TypeVar("T")
-_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
 def _concrete(x: Any) -> np.ndarray | None:
@@ -326,7 +325,7 @@ def all_finite(tree: Any) -> jax.Array:
     leaves = [
         x
         for x in jax.tree_util.tree_leaves(tree)
-        if isinstance(x, _ARRAYS) and jnp.issubdtype(x.dtype, jnp.inexact)
+        if is_inexact_array(x)
     ]
     if not leaves:
         return jnp.array(True)
@@ -349,7 +348,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 
     def select(path: Any, x: Any, y: Any) -> Any:
         where = jax.tree_util.keystr(path) or "the root"
-        if isinstance(x, _ARRAYS) or isinstance(y, _ARRAYS):
+        if is_array(x) or is_array(y):
             x, y = jnp.asarray(x), jnp.asarray(y)
             if x.dtype != y.dtype or x.shape != y.shape:
                 raise TypeError(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from autocast._tree import is_inexact_dtype
 from autocast.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite
 from autocast.scaler import DynamicScalerState
 
@@ -81,7 +82,7 @@ def dynamic_loss_scaling(
             # one is bad makes them all decide alike.
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
             grads = jax.tree_util.tree_map(
-                lambda g: jnp.where(finite, g, jnp.nan) if jnp.issubdtype(g.dtype, jnp.inexact) else g,
+                lambda g: jnp.where(finite, g, jnp.nan) if is_inexact_dtype(g.dtype) else g,
                 grads,
             )
         updates, inner_state = skipping.update(grads, state.inner, params)

@@ -12,6 +12,7 @@ import numpy as np
 from jax.extend import source_info_util
 
 from autocast import _measure
+from autocast._tree import is_array
 from autocast.transform import amp as _amp
 
 
@@ -90,16 +91,6 @@ def _dtypes(values: Any) -> str:
     return ",".join(names) if names else "-"
 
 
-def _matmul_flops(jaxpr: Any, bits: int = 16) -> tuple[int, int]:
-    low = total = 0
-    for eqn in _measure.equations(jaxpr):
-        if eqn.primitive.name in _measure._MATMUL_NAMES:
-            flops = _measure.matmul_flops(eqn)
-            total += flops
-            low += flops if all(v.aval.dtype.itemsize * 8 <= bits for v in eqn.invars[:2]) else 0
-    return low, total
-
-
 def _where(eqn: Any) -> str:
     scope = str(eqn.source_info.name_stack)
     location = source_info_util.summarize(eqn.source_info)
@@ -137,7 +128,7 @@ def report(
             seen[(eqn.primitive.name, _dtypes(invars), _dtypes(outs), name)] += 1
 
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+        dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
         traced = amp_fn._trace(in_tree, leaves, dynamic)
         ctx = dataclasses.replace(amp_fn._context(), observer=observe)
         amp_jaxpr = jax.make_jaxpr(traced.evaluate(ctx))(*[leaves[i] for i in dynamic])
@@ -147,7 +138,7 @@ def report(
         for eqn in _measure.float_casts(amp_jaxpr):
             casts[(eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, _where(eqn))] += 1
 
-        low, total = _matmul_flops(amp_jaxpr)
+        low, total = _measure.matmul_flop_counts(amp_jaxpr)
         share: dict[str, Any] = {"forward": low / total if total else None}
         summary: dict[str, Any] = {"low_precision_flop_share": share}
         summary["casts"] = _measure.count_casts(amp_jaxpr) - _measure.count_casts(original)
@@ -159,7 +150,7 @@ def report(
                 return run_vjp
 
             both = jax.make_jaxpr(pullback(amp_fn))(*args, **kwargs)
-            low_all, total_all = _matmul_flops(both)
+            low_all, total_all = _measure.matmul_flop_counts(both)
             back_total = total_all - total
             share["backward"] = (low_all - low) / back_total if back_total else None
             summary["residual_bytes"] = _measure.residual_bytes(lambda *a: amp_fn(*a, **kwargs), *args)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from autocast._tree import is_array, is_inexact_array
 from autocast.loss_scale import (
     _LossScaleBase,
     _check_finite_flag,
@@ -110,10 +111,6 @@ class _Attempt(NamedTuple):
     finite: jax.Array
 
 
-def _is_float_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
 def _filtered_value_and_grad(
     fun: Callable[..., Any], argnums: int | tuple[int, ...], has_aux: bool, **grad_kwargs: Any
 ) -> Callable[..., Any]:
@@ -124,7 +121,7 @@ def _filtered_value_and_grad(
 
     def run(*args: Any, **kwargs: Any) -> Any:
         diffs = [
-            jax.tree_util.tree_map(lambda x: x if _is_float_array(x) else None, args[i])
+            jax.tree_util.tree_map(lambda x: x if is_inexact_array(x) else None, args[i])
             for i in nums
         ]
 
@@ -186,7 +183,7 @@ def _check_state(state: Any, name: str) -> None:
 
 def _split_static(tree: Any) -> tuple[list, Any, list]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dynamic = [x if isinstance(x, (jax.Array, np.ndarray, np.generic)) else None for x in leaves]
+    dynamic = [x if is_array(x) else None for x in leaves]
     static = [None if d is not None else x for d, x in zip(dynamic, leaves)]
     return dynamic, treedef, static
 

@@ -8,9 +8,9 @@ import functools
 from typing import Any, Callable, Iterator, Mapping, TypeVar, overload
 
 import jax
-import numpy as np
 
 from autocast import _compat
+from autocast._tree import is_array, is_floating_dtype
 from autocast.interpreter import Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
 from autocast.rules import cast_value, default_amp_policy
@@ -57,17 +57,9 @@ class _Traced:
     def evaluate(self, ctx: Context) -> Callable[..., list]:
         """The jaxpr evaluated under ``ctx``, outputs cast back to the original dtypes."""
         return lambda *args: [
-            cast_value(x, d) if x.dtype != d and _floating(x.dtype) and _floating(d) else x
+            cast_value(x, d) if x.dtype != d and is_floating_dtype(x.dtype) and is_floating_dtype(d) else x
             for x, d in zip(eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, args, ctx), self.out_dtypes)
         ]
-
-
-def _floating(dtype: Any) -> bool:
-    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 class _Amp:
@@ -121,8 +113,8 @@ class _Amp:
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, full)
             out = self._fn(*args, **kwargs)
             out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
-            out_store["static"] = [None if _is_array(x) else x for x in out_leaves]
-            return [x for x in out_leaves if _is_array(x)]
+            out_store["static"] = [None if is_array(x) else x for x in out_leaves]
+            return [x for x in out_leaves if is_array(x)]
 
         jaxpr = jax.make_jaxpr(flat_fn)(*specs)
         traced = _Traced(
@@ -136,7 +128,7 @@ class _Amp:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+        dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
         traced = self._trace(in_tree, leaves, dynamic)
         args_in = [leaves[i] for i in dynamic]
         ctx = self._context()
