@@ -55,7 +55,7 @@ def test_returns_the_same_pytree_shapes_and_dtypes():
     np.testing.assert_array_equal(got["pair"][1], want["pair"][1])
 
 
-def test_non_array_leaves_pass_through_and_python_scalars_are_static():
+def test_non_array_leaves_pass_through_and_python_ints_are_static():
     seen = []
 
     def fn(x, cfg):
@@ -80,6 +80,74 @@ def test_gradients_come_back_in_the_primal_dtypes():
 
 
 # --- caching ----------------------------------------------------------------------------------
+
+def test_python_floats_are_traced_weakly_like_jit():
+    calls = []
+
+    def fn(x, lr):
+        calls.append(lr)
+        return (x @ W) * lr
+
+    f = bf16_amp(fn)
+    outs = [f(X, 0.1 * (i + 1)) for i in range(12)]
+    assert len(calls) <= 2
+    for i, out in enumerate(outs):
+        np.testing.assert_allclose(out, (X @ W) * (0.1 * (i + 1)), rtol=2e-2, atol=2e-2)
+    # weakly typed: a float scalar times a bfloat16 activation stays bfloat16
+    jaxpr = jaxpr_of(bf16_amp(lambda x, s: (x @ W) * s), X, 0.5)
+    assert [e.outvars[0].aval.dtype for e in eqns_named(jaxpr, "mul")] == [jnp.dtype(BF16)]
+
+
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (lambda a: a * 2, (1.0,)),
+        (lambda a: a * 2, (jnp.float32(1.0),)),
+        (lambda a, b: (a + b, b * 3), (jnp.ones(3), 2.0)),
+        (lambda a: jnp.sin(a) + 1, (0.5,)),
+    ],
+)
+def test_output_weak_types_match_jit(fn, args):
+    want = jax.jit(fn)(*args)
+    for f in (bf16_amp(fn), jax.jit(bf16_amp(fn))):
+        got = f(*args)
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert jax.typeof(g).weak_type == jax.typeof(w).weak_type and g.dtype == w.dtype
+
+
+def test_nested_amp_uses_the_outermost_settings():
+    inner = autocast.amp(_matmul_chain, compute_dtype=F16)
+    outer = autocast.amp(inner, compute_dtype=BF16)
+    assert set(operand_dtypes(jaxpr_of(outer, W, X), "dot_general")) == {("bfloat16", "bfloat16")}
+    stop_all = {"amp_default": autocast.use_original_precision}
+    outer = autocast.amp(autocast.amp(_matmul_chain), amp_policy=stop_all)
+    assert set(operand_dtypes(jaxpr_of(outer, W, X), "dot_general")) == {("float32", "float32")}
+    # a nested amp under a transformation inside the outer one is transparent too
+    outer = autocast.amp(jax.grad(lambda w, x: inner(w, x).sum()), compute_dtype=BF16)
+    assert {d for pair in operand_dtypes(jaxpr_of(outer, W, X), "dot_general") for d in pair} == {"bfloat16"}
+
+
+def test_a_callable_object_keeps_its_own_attributes():
+    class Layer:
+        def __init__(self):
+            self._fn = "not a function"
+            self.scale = 2.0
+
+        def __call__(self, x):
+            return (x @ W) * self.scale
+
+    layer = Layer()
+    f = bf16_amp(layer)
+    np.testing.assert_allclose(f(X), layer(X), rtol=2e-2, atol=2e-2)
+
+
+def test_a_generator_output_is_a_clear_error():
+    def fn(x):
+        return (y for y in (x @ W, x))
+
+    with pytest.raises(TypeError, match="returned a generator"):
+        bf16_amp(fn)(X)
+
 
 def test_traces_once_per_structure_and_avals():
     calls = []
@@ -427,7 +495,7 @@ def test_amp_over_a_whole_train_step():
     "kwargs, error, match",
     [
         (dict(compute_dtype=jnp.int8), TypeError, "compute_dtype must be a floating-point dtype.*int8"),
-        (dict(compute_dtype="bf17"), ValueError, "unknown dtype 'bf17'"),
+        (dict(compute_dtype="bf17"), ValueError, "(?i)unknown dtype 'bf17'"),
         (dict(amp_policy=[1]), TypeError, "amp_policy must be a dict"),
         (dict(amp_policy={3: autocast.use_original_precision}), TypeError, "key 3 is neither"),
         (dict(amp_policy={"scope": "fp32"}), TypeError, r"amp_policy\['scope'\] must be a precision function"),

@@ -25,11 +25,13 @@ Primitive = jex.Primitive
 JIT_NAMES = frozenset({"pjit", "jit"})
 
 
+@functools.lru_cache(maxsize=None)
 def primitive_by_name(name: str) -> Primitive | None:
     """The primitive called ``name`` in this JAX version, or None if it has none by that name.
 
     Most primitives are public in ``jax.extend.core.primitives`` or ``jax.lax``; a few (the
-    ragged dot, and ``checkpoint_name``'s primitive before JAX 0.7) only inside ``jax._src``.
+    ragged dot, ``checkpoint_name``'s primitive before JAX 0.7, Pallas's kernel call) only
+    inside ``jax._src``.
     """
     attr = name.replace("-", "_") + "_p"
     for module in _primitive_modules():
@@ -42,7 +44,7 @@ def primitive_by_name(name: str) -> Primitive | None:
 def _primitive_modules() -> Iterator[Any]:
     yield jex.primitives
     yield jax.lax
-    for internal in ("jax._src.lax.lax", "jax._src.ad_checkpoint"):
+    for internal in ("jax._src.lax.lax", "jax._src.ad_checkpoint", "jax._src.pallas.pallas_call"):
         try:
             yield importlib.import_module(internal)
         except ImportError:  # pragma: no cover - layout of a future JAX
@@ -65,13 +67,13 @@ def bind_equation(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> An
 _convert_p = jex.primitives.convert_element_type_p
 
 
-def convert(x: Any, dtype: Any) -> Any:
-    """``x`` cast to ``dtype`` by binding the primitive directly.
+def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
+    """``x`` cast to ``dtype`` by binding the primitive directly (weakly typed if asked).
 
     ``lax.convert_element_type`` does the same with much more Python around it; amp emits
     hundreds of casts per model, so the trace-time difference shows.
     """
-    return _convert_p.bind(x, new_dtype=np.dtype(dtype), weak_type=False, sharding=None)
+    return _convert_p.bind(x, new_dtype=np.dtype(dtype), weak_type=weak_type, sharding=None)
 
 
 def is_drop_var(var: Any) -> bool:
@@ -233,3 +235,24 @@ def shard_map_manual_axes(params: dict[str, Any]) -> frozenset:
     """The mesh axes a ``shard_map`` equation makes manual: ``manual_axes`` up to JAX 0.6,
     ``newly_manual_axes`` since."""
     return frozenset(params.get("newly_manual_axes", params.get("manual_axes", ())))
+
+
+def hook_custom_calls(*, vjp: Any, jvp: Any) -> None:
+    """Routes every call of a ``jax.custom_vjp`` / ``jax.custom_jvp`` function through
+    ``vjp(self, original, args, kwargs)`` / ``jvp(...)``, which may call ``original``.
+
+    amp needs to see these calls while the values they close over are alive
+    (:mod:`autocast.closures`); JAX offers no hook, so the classes' ``__call__`` is wrapped,
+    once. The hooks pass straight through unless amp is tracing.
+    """
+    for cls, hook in ((jax.custom_vjp, vjp), (jax.custom_jvp, jvp)):
+        original = cls.__call__
+        if getattr(original, "_autocast_hook", False):
+            continue
+
+        def call(self: Any, *args: Any, _original: Any = original, _hook: Any = hook, **kwargs: Any) -> Any:
+            return _hook(self, _original, args, kwargs)
+
+        call._autocast_hook = True  # type: ignore[attr-defined]
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        cls.__call__ = call

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from autocast import _compat
 from autocast._tree import is_inexact_dtype
@@ -235,44 +236,62 @@ def _cond(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
 
 # --- custom derivatives -------------------------------------------------------------------------
 
-def _once_per_equation(build: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``build(eqn)`` computed once per equation (cached by identity in the shared cache)."""
+def _once_per_equation(build: Callable[..., Any]) -> Callable[..., Any]:
+    """``build(eqn, *key)`` computed once per equation and key (cached by identity in the
+    shared cache)."""
 
-    def cached(eqn: Any) -> Any:
-        key = (build.__name__, id(eqn))
-        hit = TRACES.get(key, (eqn,))
+    def cached(eqn: Any, *key: Any) -> Any:
+        full = (build.__name__, id(eqn), *key)
+        hit = TRACES.get(full, (eqn,))
         if hit is None:
-            hit = build(eqn)
-            TRACES.put(key, (eqn,), hit)
+            hit = build(eqn, *key)
+            TRACES.put(full, (eqn,), hit)
         return hit
 
     return cached
 
 
+def _instantiate(x: Any) -> Any:
+    return jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero) else x
+
+
+def _split(perturbed: Sequence[bool], values: Sequence[Any]) -> tuple[list, Callable[[Sequence[Any]], list]]:
+    """The perturbed ``values``, and how to put them back among the others."""
+    moving = [x for x, p in zip(values, perturbed) if p]
+
+    def merge(new: Sequence[Any]) -> list[Any]:
+        it = iter(new)
+        return [next(it) if p else x for x, p in zip(values, perturbed)]
+
+    return moving, merge
+
+
 @_once_per_equation
-def _custom_jvp_rule_jaxpr(eqn: Any) -> Any:
-    """The jaxpr of ``eqn``'s own JVP rule at the original dtypes: primals and float tangents
-    in, primal and float tangent outputs out. Traced once per equation."""
+def _custom_jvp_rule_jaxpr(eqn: Any, perturbed: tuple[bool, ...]) -> Any:
+    """The jaxpr of ``eqn``'s own JVP rule at the original dtypes, for the inputs marked
+    ``perturbed``: primals and their tangents in, primal and float tangent outputs out. The
+    other inputs enter as constants of the differentiation, so the rule sees their tangents as
+    symbolic zeros, as it would without amp (Equinox's ``nondifferentiable`` relies on it)."""
     in_avals = [v.aval for v in eqn.invars]
-    diff = [is_inexact_dtype(a.dtype) for a in in_avals]
     out_diff = [is_inexact_dtype(v.aval.dtype) for v in eqn.outvars]
 
     def rule(*args: Any) -> list[Any]:
-        primals = tuple(args[: len(in_avals)])
-        it = iter(args[len(in_avals) :])
-        tangents = tuple(next(it) if d else _float0_zeros(a) for a, d in zip(in_avals, diff))
+        primals = list(args[: len(in_avals)])
+        moving, merge = _split(perturbed, primals)
         outs, out_tangents = jax.jvp(
-            lambda *p: _as_list(eqn, _compat.bind_equation(eqn, p, eqn.params)), primals, tangents
+            lambda *p: _as_list(eqn, _compat.bind_equation(eqn, merge(p), eqn.params)),
+            tuple(moving), tuple(args[len(in_avals):]),
         )
         return list(outs) + [t for t, d in zip(out_tangents, out_diff) if d]
 
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-    return jax.make_jaxpr(rule)(*specs, *[s for s, d in zip(specs, diff) if d])
+    return jax.make_jaxpr(rule)(*specs, *[s for s, p in zip(specs, perturbed) if p])
 
 
 def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.custom_jvp`` functions (``jax.nn.relu``...): the primal and the user's JVP rule
-    both run under the policy, and the custom rule is still what differentiation uses."""
+    both run under the policy, and the custom rule is still what differentiation uses. Which
+    inputs are perturbed is passed on, so a rule that asks for symbolic zeros gets them."""
     inner = ctx.enter(eqn)
     primal = retrace_closed(_compat.custom_call_jaxpr(eqn), invals, kinds, inner)
     out_dtypes = [a.dtype for a in primal.out_avals]
@@ -281,11 +300,14 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     def fn(*args: Any) -> list[Any]:
         return jax.core.eval_jaxpr(primal.jaxpr, primal.consts, *args)
 
-    @fn.defjvp
     def fn_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
-        rule = _custom_jvp_rule_jaxpr(eqn)
-        float_tangents = [t for t, v in zip(tangents, eqn.invars) if is_inexact_dtype(v.aval.dtype)]
-        outs = eval_jaxpr(rule.jaxpr, rule.consts, [*primals, *float_tangents], inner)
+        perturbed = tuple(
+            not isinstance(t, SymbolicZero) and is_inexact_dtype(v.aval.dtype)
+            for t, v in zip(tangents, eqn.invars)
+        )
+        rule = _custom_jvp_rule_jaxpr(eqn, perturbed)
+        moving = [t for t, p in zip(tangents, perturbed) if p]
+        outs = eval_jaxpr(rule.jaxpr, rule.consts, [*primals, *moving], inner)
         n_out = len(eqn.outvars)
         out_primals = [cast_value(x, d) for x, d in zip(outs[:n_out], out_dtypes)]
         it = iter(outs[n_out:])
@@ -295,24 +317,28 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
         ]
         return out_primals, out_tangents
 
+    fn.defjvp(fn_jvp, symbolic_zeros=True)
     return fn(*invals)
 
 
 @_once_per_equation
-def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, int]:
-    """The user's forward and backward rules as jaxprs at the original dtypes, traced once:
-    ``fwd(consts, args) -> (outs, residuals)`` and ``bwd(residuals, cotangents) -> float
-    cotangents of args``, with the number of residuals between them. The leading
-    ``num_consts`` inputs are values the function closed over: never differentiated."""
+def _custom_vjp_rule_jaxprs(eqn: Any, perturbed: tuple[bool, ...]) -> tuple[Any, Any, int]:
+    """The user's forward and backward rules as jaxprs at the original dtypes, for the
+    arguments marked ``perturbed``, traced once: ``fwd(consts, args) -> (outs, residuals)``
+    and ``bwd(residuals, cotangents) -> cotangents of the perturbed args``, with the number of
+    residuals between them. The leading ``num_consts`` inputs are values the function closed
+    over: never differentiated. Unperturbed arguments enter as constants, so the user's
+    forward rule sees them unperturbed, as it would without amp."""
     n_consts = eqn.params.get("num_consts", 0)
     in_avals = [v.aval for v in eqn.invars]
-    diff = [is_inexact_dtype(a.dtype) for a in in_avals[n_consts:]]
     store: dict[str, Any] = {}
 
     def fwd(*inputs: Any) -> tuple[list, list]:
-        consts, args = inputs[:n_consts], inputs[n_consts:]
+        consts, args = inputs[:n_consts], list(inputs[n_consts:])
+        moving, merge = _split(perturbed, args)
         outs, vjp_fn = jax.vjp(
-            lambda *a: _as_list(eqn, _compat.bind_equation(eqn, [*consts, *a], eqn.params)), *args
+            lambda *a: _as_list(eqn, _compat.bind_equation(eqn, [*consts, *merge(a)], eqn.params)),
+            *moving,
         )
         residuals, store["tree"] = jax.tree_util.tree_flatten(vjp_fn)
         return outs, residuals
@@ -322,8 +348,7 @@ def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, int]:
     tree = store["tree"]
 
     def bwd(residuals: list, cotangents: list) -> list:
-        vjp_fn = jax.tree_util.tree_unflatten(tree, residuals)
-        return [c for c, d in zip(vjp_fn(cotangents), diff) if d]
+        return list(jax.tree_util.tree_unflatten(tree, residuals)(cotangents))
 
     ct_specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
     bwd_jaxpr = jax.make_jaxpr(bwd)(list(res_shapes), ct_specs)
@@ -333,34 +358,43 @@ def _custom_vjp_rule_jaxprs(eqn: Any) -> tuple[Any, Any, int]:
 def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.custom_vjp`` functions: the primal, the user's forward rule and the user's
     backward rule all run under the policy; cotangents come back in the dtypes the inputs
-    arrived in, and the custom rules are still what differentiation uses. Values the
-    function closed over stay closed over, so differentiating with respect to them is the
-    same error it is without amp."""
+    arrived in, and the custom rules are still what differentiation uses. Which arguments are
+    perturbed is passed on to the user's rules (Equinox's ``filter_custom_vjp`` checks it).
+    Values the function closed over stay closed over, so differentiating with respect to
+    them is the same error it is without amp."""
     inner = ctx.enter(eqn)
     primal = retrace_closed(_compat.custom_call_jaxpr(eqn), invals, kinds, inner)
     out_dtypes = [a.dtype for a in primal.out_avals]
     n_consts = eqn.params.get("num_consts", 0)
     consts, args = invals[:n_consts], invals[n_consts:]
     diff = [is_inexact_dtype(v.aval.dtype) for v in eqn.invars[n_consts:]]
+    # The pattern the forward rule was traced for, read back by the backward rule.
+    pattern: list[tuple[bool, ...]] = []
 
     @jax.custom_vjp
     def fn(*args: Any) -> list[Any]:
         return jax.core.eval_jaxpr(primal.jaxpr, primal.consts, *consts, *args)
 
-    def fn_fwd(*args: Any) -> tuple[list, list]:
-        fwd_jaxpr, _, n_res = _custom_vjp_rule_jaxprs(eqn)
-        flat = eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, [*consts, *args], inner)
+    def fn_fwd(*wrapped: Any) -> tuple[list, list]:
+        perturbed = tuple(w.perturbed and d for w, d in zip(wrapped, diff))
+        pattern.append(perturbed)
+        fwd_jaxpr, _, n_res = _custom_vjp_rule_jaxprs(eqn, perturbed)
+        flat = eval_jaxpr(
+            fwd_jaxpr.jaxpr, fwd_jaxpr.consts, [*consts, *[w.value for w in wrapped]], inner
+        )
         outs, residuals = flat[: len(flat) - n_res], flat[len(flat) - n_res :]
         return [cast_value(x, d) for x, d in zip(outs, out_dtypes)], residuals
 
     def fn_bwd(residuals: list, cotangents: list) -> tuple:
-        _, bwd_jaxpr, _ = _custom_vjp_rule_jaxprs(eqn)
+        perturbed = pattern[-1]
+        _, bwd_jaxpr, _ = _custom_vjp_rule_jaxprs(eqn, perturbed)
+        cotangents = [_instantiate(c) for c in cotangents]
         cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *cotangents], inner))
         return tuple(
-            cast_value(next(cts), x.dtype) if is_diff else None for x, is_diff in zip(args, diff)
+            cast_value(next(cts), x.dtype) if p else None for x, p in zip(args, perturbed)
         )
 
-    fn.defvjp(fn_fwd, fn_bwd)
+    fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
     return fn(*args)
 
 
@@ -415,11 +449,39 @@ def _bind_in_original_precision(
     """Bound exactly as recorded, on inputs cast back to their recorded dtypes: linear solves
     and reductions with a computation of their own (SPEC 3.4 keeps linear algebra out of 16
     bits), and any higher-order equation under a scope that asks for original precision."""
-    invals = [
+    return _compat.bind_equation(eqn, _recorded_dtypes(eqn, invals), eqn.params)
+
+
+def _recorded_dtypes(eqn: Any, invals: list) -> list:
+    return [
         cast_value(x, v.aval.dtype) if _castable(x, v.aval.dtype) else x
         for x, v in zip(invals, eqn.invars)
     ]
-    return _compat.bind_equation(eqn, invals, eqn.params)
+
+
+def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """A higher-order primitive from another library (Equinox's filtered primitives keep
+    their jaxprs in a ``static`` parameter): its rules were written for the jaxprs it was
+    given, so its boundary keeps the recorded dtypes, while each closed jaxpr found in its
+    parameters is interpreted under the policy with exactly the signature it had (inputs and
+    outputs in the recorded dtypes) and put back in its place."""
+    inner = ctx.enter(eqn)
+
+    def retyped(value: Any) -> Any:
+        if isinstance(value, _compat.ClosedJaxpr):
+            specs = list(value.in_avals)
+            return retrace(
+                value.jaxpr, value.consts, specs, [STRONG] * len(specs), inner,
+                out_dtypes=[a.dtype for a in value.out_avals],
+            )
+        if isinstance(value, _compat.Jaxpr):  # open: its constants cannot be re-typed in place
+            raise _unsupported(eqn)
+        if type(value) in (tuple, list):
+            return type(value)(retyped(v) for v in value)
+        return value
+
+    params = {k: retyped(v) for k, v in eqn.params.items()}
+    return _compat.bind_equation(eqn, _recorded_dtypes(eqn, invals), params)
 
 
 HANDLERS: dict[str, Handler] = {
@@ -435,35 +497,57 @@ HANDLERS: dict[str, Handler] = {
     "shard_map": _shard_map,
     "xla_pmap": _pmap,
     "custom_linear_solve": _bind_in_original_precision,  # jnp.linalg.solve / inv, expm, cg
+    "linear_solve": _bind_in_original_precision,  # lineax (optimistix's Newton steps too)
     "reduce": _bind_in_original_precision,  # lax.reduce with a computation of its own
     "reduce_window": _bind_in_original_precision,  # lax.reduce_window likewise
 }
 
+# Kernels are written for fixed dtypes: they are first-order equations for amp, decided by
+# the policy like any other primitive (the default table keeps them in original precision),
+# so their inner jaxpr is never re-typed and the report lists them.
+KERNELS = frozenset({"pallas_call"})
 
-# Primitive names seen to carry no sub-jaxprs: the common case is decided once per name.
-_FIRST_ORDER: set[str] = set(_compat.FIRST_ORDER_WITH_JAXPRS)
+# JAX's own primitives seen to carry no sub-jaxprs: decided once per primitive. Another
+# library's primitive can carry a jaxpr in one call and none in the next (lineax's
+# linear_solve with a matrix, then with a function operator): it is looked at every time.
+_FIRST_ORDER: set[Any] = set()
 
 
 def handler_for(eqn: Any, ctx: Context) -> Handler | None:
     """The handler of a higher-order equation, None for a first-order one.
 
-    Raises ``NotImplementedError`` for a primitive that carries sub-jaxprs but has no handler,
-    unless a named scope puts the equation in original precision (``amp_stop``).
+    Raises ``NotImplementedError`` for one of JAX's own primitives that carries sub-jaxprs
+    but has no handler, unless a named scope puts the equation in original precision
+    (``amp_stop``).
     """
-    name = eqn.primitive.name
-    if name in _FIRST_ORDER:
+    prim = eqn.primitive
+    if prim in _FIRST_ORDER:
         return None
+    name = prim.name
     handler = HANDLERS.get(name)
     if handler is not None:
         return handler
+    if name in KERNELS or name in _compat.FIRST_ORDER_WITH_JAXPRS:
+        return None
     carried = _compat.sub_jaxpr_params(eqn.params)
+    own = _compat.primitive_by_name(name) is prim
     if not carried:
-        _FIRST_ORDER.add(name)
+        if own:
+            _FIRST_ORDER.add(prim)
         return None
     if decide_by_scope(eqn, ctx) is use_original_precision:
         return _bind_in_original_precision
-    raise NotImplementedError(
-        f"amp does not support the higher-order primitive '{name}' (it carries the sub-jaxpr "
-        f"parameter(s) {', '.join(carried)}); supported: {', '.join(sorted(HANDLERS))}. "
-        "Wrap the call in autocast.amp_stop() to run it untouched in original precision."
+    if not own:
+        return _foreign
+    raise _unsupported(eqn)
+
+
+def _unsupported(eqn: Any) -> NotImplementedError:
+    carried = _compat.sub_jaxpr_params(eqn.params)
+    return NotImplementedError(
+        f"amp does not support the higher-order primitive '{eqn.primitive.name}' (it carries "
+        f"the sub-jaxpr parameter(s) {', '.join(carried)}); supported: "
+        f"{', '.join(sorted(HANDLERS))}, and other libraries' primitives that keep closed "
+        "jaxprs in their parameters. Wrap the call in autocast.amp_stop() to run it untouched "
+        "in original precision."
     )

@@ -5,11 +5,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
+import threading
 from typing import Any, Callable, Iterator, Mapping, TypeVar, overload
 
 import jax
 
-from autocast import _compat
+from autocast import _compat, closures
 from autocast._tree import is_array, is_floating_dtype
 from autocast.interpreter import Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
@@ -19,6 +21,33 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Traces kept per amp-wrapped function, most recent last (like jit's cache, but bounded).
 _TRACE_CACHE_SIZE = 64
+
+# Python scalars traced as weakly typed values, as jax.jit traces them: a new learning rate
+# or temperature is a new value, not a new program. int and bool stay static: they pick
+# shapes, axes, loop counts and modes (``train=True``), and amp has no static_argnums.
+_TRACED_SCALARS = (float, complex)
+
+# While amp traces a function, an amp function called inside it is transparent: the
+# outermost amp's settings decide, as the outermost context does for torch.autocast.
+_tracing = threading.local()
+
+
+def _outer_amp_tracing() -> bool:
+    return getattr(_tracing, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _tracing_fn() -> Iterator[None]:
+    _tracing.depth = getattr(_tracing, "depth", 0) + 1
+    try:
+        with closures.rewriting():
+            yield
+    finally:
+        _tracing.depth -= 1
+
+
+def _is_dynamic(x: Any) -> bool:
+    return is_array(x) or type(x) in _TRACED_SCALARS
 
 
 def _check_policy(amp_policy: Any) -> dict[Any, Callable[..., Any]]:
@@ -45,21 +74,32 @@ class _Traced:
     """One trace of the user's function: its jaxpr, how to rebuild its outputs, and the
     compiled versions used when it is called outside any transformation."""
 
-    __slots__ = ("jaxpr", "out_tree", "out_static", "out_dtypes", "compiled")
+    __slots__ = ("jaxpr", "out_tree", "out_static", "out_avals", "compiled")
 
-    def __init__(self, jaxpr: Any, out_tree: Any, out_static: list, out_dtypes: list) -> None:
+    def __init__(self, jaxpr: Any, out_tree: Any, out_static: list) -> None:
         self.jaxpr = jaxpr
         self.out_tree = out_tree
         self.out_static = out_static
-        self.out_dtypes = out_dtypes
+        self.out_avals = list(jaxpr.out_avals)
         self.compiled: dict[tuple, Callable[..., list]] = {}
 
     def evaluate(self, ctx: Context) -> Callable[..., list]:
-        """The jaxpr evaluated under ``ctx``, outputs cast back to the original dtypes."""
+        """The jaxpr evaluated under ``ctx``, outputs cast back to the original dtypes and
+        weak types (``amp(lambda a: a * 2)(1.0)`` is weak, as under ``jax.jit``)."""
         return lambda *args: [
-            cast_value(x, d) if x.dtype != d and is_floating_dtype(x.dtype) and is_floating_dtype(d) else x
-            for x, d in zip(eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, args, ctx), self.out_dtypes)
+            _restore(x, a)
+            for x, a in zip(eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, args, ctx), self.out_avals)
         ]
+
+
+def _restore(x: Any, aval: Any) -> Any:
+    """``x`` with the dtype and weak type the original program gave that output."""
+    dtype = aval.dtype
+    if x.dtype != dtype and is_floating_dtype(x.dtype) and is_floating_dtype(dtype):
+        x = cast_value(x, dtype)
+    if aval.weak_type and not _compat.aval_of(x).weak_type:
+        x = _compat.convert(x, dtype, weak_type=True)
+    return x
 
 
 class _Amp:
@@ -74,7 +114,9 @@ class _Amp:
         self._policy = policy
         self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
         self._traces: collections.OrderedDict = collections.OrderedDict()
-        functools.update_wrapper(self, fn)
+        # Name and docstring of fn, but not its __dict__: a callable object's attributes
+        # would overwrite amp's own (one named _fn, say).
+        functools.update_wrapper(self, fn, updated=())
 
     def _context(self) -> Context:
         if self._compute_dtype is None:  # resolved on first call, not at decoration time
@@ -112,14 +154,14 @@ class _Amp:
                 full[i] = x
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, full)
             out = self._fn(*args, **kwargs)
+            _check_output(self._fn, out)
             out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
             out_store["static"] = [None if is_array(x) else x for x in out_leaves]
             return [x for x in out_leaves if is_array(x)]
 
-        jaxpr = jax.make_jaxpr(flat_fn)(*specs)
-        traced = _Traced(
-            jaxpr, out_store["tree"], out_store["static"], [a.dtype for a in jaxpr.out_avals]
-        )
+        with _tracing_fn():
+            jaxpr = jax.make_jaxpr(flat_fn)(*specs)
+        traced = _Traced(jaxpr, out_store["tree"], out_store["static"])
         if key is not None and not any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts):
             self._traces[key] = traced
             if len(self._traces) > _TRACE_CACHE_SIZE:
@@ -127,8 +169,10 @@ class _Amp:
         return traced
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _outer_amp_tracing():
+            return self._fn(*args, **kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
+        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         traced = self._trace(in_tree, leaves, dynamic)
         args_in = [leaves[i] for i in dynamic]
         ctx = self._context()
@@ -145,6 +189,18 @@ class _Amp:
         outs = iter(outs)
         out_leaves = [next(outs) if s is None else s for s in traced.out_static]
         return jax.tree_util.tree_unflatten(traced.out_tree, out_leaves)
+
+
+def _check_output(fn: Any, out: Any) -> None:
+    leaves = [out] if inspect.isgenerator(out) else jax.tree_util.tree_leaves(out)
+    for leaf in leaves:
+        if inspect.isgenerator(leaf) or inspect.iscoroutine(leaf):
+            name = getattr(fn, "__name__", repr(fn))
+            raise TypeError(
+                f"amp: {name} returned a {type(leaf).__name__}; an amp function must return "
+                "arrays or pytrees of them (evaluate the generator inside the function, e.g. "
+                "with list(...) or tuple(...))"
+            )
 
 
 @overload

@@ -1,0 +1,279 @@
+"""Custom derivative rules that close over traced values: made into explicit inputs while amp traces.
+
+JAX traces a custom rule (a ``custom_vjp``'s forward and backward, a ``custom_jvp``'s JVP)
+only when the function is differentiated. ``amp`` traces ``fn`` once and evaluates the jaxpr
+afterwards, so when ``jax.grad(amp(fn))`` finally asks for a rule, whatever the rule closed
+over (the weight in ``lambda g: g @ w.T`` of a ``jax.custom_gradient``) belongs to a trace that
+has ended, and JAX reports a leaked tracer. ``jax.jit`` has the same limit; amp removes it.
+
+While amp traces, each ``custom_vjp`` / ``custom_jvp`` call is rewritten on the spot, while
+the values are still alive: its rules are traced once to find the traced values they close
+over, and the call becomes one of an equivalent custom function that takes those values as
+one more (leading) argument. They are then data in the jaxpr like any other input, and amp
+carries their current values to the equation. When a rule is needed later it is traced again
+and every closed-over value is replaced by the argument that now carries it. A rule that
+closes over nothing traced is left exactly as it was.
+
+As without amp, a rule says nothing about derivatives with respect to what it closes over:
+differentiating with respect to such a value raises a ``ValueError`` that says so, where JAX
+itself raises a leaked-tracer error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from autocast import _compat
+from autocast._tree import is_array, is_inexact_dtype
+
+_state = threading.local()
+
+
+def _depth() -> int:
+    return getattr(_state, "depth", 0)
+
+
+@contextlib.contextmanager
+def rewriting(on: bool = True) -> Iterator[None]:
+    """Within this context (amp's own trace of ``fn``), custom calls are rewritten; ``on=False``
+    suspends that (while a rule is traced to see what it closes over)."""
+    before = _depth()
+    _state.depth = before + 1 if on else 0
+    try:
+        yield
+    finally:
+        _state.depth = before
+
+
+def _closure_error(kind: str, fun: Any) -> ValueError:
+    name = getattr(fun, "__name__", repr(fun))
+    return ValueError(
+        f"differentiating with respect to a value that the {kind} rules of '{name}' close over: "
+        "the rule defines no derivative for it. Pass the value as an argument of the custom "
+        "function instead (JAX raises a leaked-tracer error for the same program)."
+    )
+
+
+# --- tracing a rule with its closed-over values swapped ------------------------------------------
+
+def _unwrap(x: Any) -> Any:
+    return x.value if isinstance(x, CustomVJPPrimal) else x
+
+
+def _is_wrapper(x: Any) -> bool:
+    return isinstance(x, (CustomVJPPrimal, SymbolicZero))
+
+
+def _instantiate(x: Any) -> Any:
+    return jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero) else x
+
+
+def _traced(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Callable, list]:
+    """``fn(*args)`` as a closed jaxpr over the array leaves of ``args`` (``CustomVJPPrimal``
+    wrappers opened; everything else held as it is), and how to rebuild its output."""
+    leaves, tree = jax.tree_util.tree_flatten(list(args), is_leaf=_is_wrapper)
+    dynamic = [i for i, x in enumerate(leaves) if is_array(_unwrap(x))]
+    values = [_unwrap(leaves[i]) for i in dynamic]
+    store: dict[str, Any] = {}
+
+    def flat(*xs: Any) -> list[Any]:
+        rebuilt = list(leaves)
+        for i, x in zip(dynamic, xs):
+            rebuilt[i] = CustomVJPPrimal(x, leaves[i].perturbed) if isinstance(leaves[i], CustomVJPPrimal) else x
+        out = fn(*jax.tree_util.tree_unflatten(tree, rebuilt))
+        out_leaves, store["tree"] = jax.tree_util.tree_flatten(out)
+        store["static"] = [None if is_array(x) else x for x in out_leaves]
+        return [x for x in out_leaves if is_array(x)]
+
+    closed = jax.make_jaxpr(flat)(*values)
+
+    def rebuild(outs: Sequence[Any]) -> Any:
+        it = iter(outs)
+        return jax.tree_util.tree_unflatten(
+            store["tree"], [next(it) if s is None else s for s in store["static"]]
+        )
+
+    return closed, rebuild, values
+
+
+def _call_swapped(fn: Callable[..., Any], args: Sequence[Any], old: Sequence[Any], new: Sequence[Any]) -> Any:
+    """``fn(*args)``, with each closed-over traced value in ``old`` replaced by ``new``'s."""
+    closed, rebuild, values = _traced(fn, args)
+    swap = {id(o): n for o, n in zip(old, new)}
+    consts = [swap.get(id(c), c) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
+    return rebuild(jax.core.eval_jaxpr(closed.jaxpr, consts, *values))
+
+
+def _closed_over(*closed_jaxprs: Any) -> list[Any]:
+    """The traced values (tracers of live traces) that the given jaxprs closed over, once each."""
+    found: dict[int, Any] = {}
+    for closed in closed_jaxprs:
+        for c in closed.consts:
+            if isinstance(c, jax.core.Tracer):
+                found.setdefault(id(c), c)
+    return list(found.values())
+
+
+def _positional(fun: Callable[..., Any], args: tuple, kwargs: dict) -> tuple | None:
+    """The call's arguments as positional ones, as the custom function binds them; None if that
+    cannot be done (the original call then reports the problem)."""
+    if not kwargs:
+        return args
+    try:
+        bound = inspect.signature(fun).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return None if bound.kwargs else tuple(bound.args)
+
+
+def _spec(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _tangent_spec(x: Any) -> Any:
+    dtype = x.dtype if is_inexact_dtype(x.dtype) else jax.dtypes.float0
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+
+
+# --- custom_vjp ----------------------------------------------------------------------------------
+
+def _vjp_closure(self: Any, args: tuple) -> list[Any]:
+    """The traced values ``self``'s forward and backward rules close over, at ``args``."""
+    nondiff = set(self.nondiff_argnums)
+
+    def fwd_args(xs: Sequence[Any]) -> list[Any]:
+        wrap = self.symbolic_zeros
+        return [
+            x if i in nondiff else
+            jax.tree_util.tree_map(lambda v: CustomVJPPrimal(v, False), x) if wrap else x
+            for i, x in enumerate(xs)
+        ]
+
+    fwd_jaxpr, rebuild, _ = _traced(lambda *xs: self.fwd(*fwd_args(xs)), args)
+    out, res = rebuild([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd_jaxpr.out_avals])
+    statics = [args[i] for i in sorted(nondiff)]
+    cts = jax.tree_util.tree_map(_tangent_spec, out)
+    res_leaves, res_tree = jax.tree_util.tree_flatten(res)
+    array_res = [i for i, x in enumerate(res_leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+    ct_leaves, ct_tree = jax.tree_util.tree_flatten(cts)
+
+    def bwd_flat(*xs: Any) -> Any:
+        leaves = list(res_leaves)
+        for i, x in zip(array_res, xs[: len(array_res)]):
+            leaves[i] = x
+        ct = jax.tree_util.tree_unflatten(ct_tree, xs[len(array_res):])
+        return self.bwd(*statics, jax.tree_util.tree_unflatten(res_tree, leaves), ct)
+
+    bwd_jaxpr = jax.make_jaxpr(bwd_flat)(*[res_leaves[i] for i in array_res], *ct_leaves)
+    return _closed_over(fwd_jaxpr, bwd_jaxpr)
+
+
+def _rewrite_vjp(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    positional = _positional(self.fun, args, kwargs)
+    if positional is None:
+        return original(self, *args, **kwargs)
+    try:
+        with rewriting(False):
+            hoisted = _vjp_closure(self, positional)
+    except Exception:  # a rule that cannot be traced at these arguments: JAX will say why
+        hoisted = []
+    if not hoisted:
+        return original(self, *args, **kwargs)
+
+    nondiff = tuple(self.nondiff_argnums)
+    user_symbolic = self.symbolic_zeros
+
+    def fun(closure: Any, *xs: Any) -> Any:
+        return self.fun(*xs)
+
+    def fwd(closure: Any, *xs: Any) -> Any:
+        if any(p.perturbed for p in closure):
+            raise _closure_error("custom_vjp", self.fun)
+        values = [p.value for p in closure]
+        if not user_symbolic:
+            xs = tuple(
+                x if i in nondiff else jax.tree_util.tree_map(_unwrap, x, is_leaf=_is_wrapper)
+                for i, x in enumerate(xs)
+            )
+        out, res = _call_swapped(self.fwd, xs, hoisted, values)
+        return out, (values, res)
+
+    def bwd(*xs: Any) -> tuple:
+        *statics, (values, res), cts = xs
+        if not user_symbolic:
+            cts = jax.tree_util.tree_map(_instantiate, cts, is_leaf=_is_wrapper)
+        grads = _call_swapped(self.bwd, [*statics, res, cts], hoisted, values)
+        return (None, *grads)
+
+    rewritten = jax.custom_vjp(fun, nondiff_argnums=tuple(i + 1 for i in nondiff))
+    rewritten.defvjp(fwd, bwd, symbolic_zeros=True)
+    return original(rewritten, tuple(hoisted), *positional)
+
+
+# --- custom_jvp ----------------------------------------------------------------------------------
+
+def _jvp_closure(self: Any, args: tuple) -> list[Any]:
+    """The traced values ``self``'s JVP rule closes over, at ``args``."""
+    nondiff = set(self.nondiff_argnums)
+    statics = [args[i] for i in sorted(nondiff)]
+    primals = tuple(x for i, x in enumerate(args) if i not in nondiff)
+    tangents = jax.tree_util.tree_map(
+        lambda x: np.zeros(np.shape(x), jax.dtypes.float0) if not is_inexact_dtype(x.dtype) else x,
+        primals,
+    )
+    closed, _, _ = _traced(lambda p, t: self.jvp(*statics, tuple(p), tuple(t)), [primals, tangents])
+    return _closed_over(closed)
+
+
+def _rewrite_jvp(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    positional = _positional(self.fun, args, kwargs)
+    if positional is None or getattr(self, "jvp", None) is None:
+        return original(self, *args, **kwargs)
+    try:
+        with rewriting(False):
+            hoisted = _jvp_closure(self, positional)
+    except Exception:  # a rule that cannot be traced at these arguments: JAX will say why
+        hoisted = []
+    if not hoisted:
+        return original(self, *args, **kwargs)
+
+    nondiff = tuple(self.nondiff_argnums)
+    user_symbolic = self.symbolic_zeros
+
+    def fun(closure: Any, *xs: Any) -> Any:
+        return self.fun(*xs)
+
+    def jvp(*xs: Any) -> Any:
+        *statics, primals, tangents = xs
+        closure, primals = primals[0], tuple(primals[1:])
+        if any(not isinstance(t, SymbolicZero) for t in tangents[0]):
+            raise _closure_error("custom_jvp", self.fun)
+        tangents = tuple(tangents[1:])
+        if not user_symbolic:
+            tangents = jax.tree_util.tree_map(_instantiate, tangents, is_leaf=_is_wrapper)
+        return _call_swapped(self.jvp, [*statics, primals, tangents], hoisted, list(closure))
+
+    rewritten = jax.custom_jvp(fun, nondiff_argnums=tuple(i + 1 for i in nondiff))
+    rewritten.defjvp(jvp, symbolic_zeros=True)
+    return original(rewritten, tuple(hoisted), *positional)
+
+
+def _hook(rewrite: Callable[..., Any]) -> Callable[..., Any]:
+    def call(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if _depth() <= 0:
+            return original(self, *args, **kwargs)
+        return rewrite(self, original, args, kwargs)
+
+    return call
+
+
+_compat.hook_custom_calls(vjp=_hook(_rewrite_vjp), jvp=_hook(_rewrite_jvp))

@@ -1,0 +1,367 @@
+"""amp on code it did not write: custom rules that close over traced values, the Equinox
+scientific stack (diffrax, optimistix, lineax) and Pallas kernels.
+
+Every case is checked three ways against float32: the forward value, ``grad(amp(f))`` and
+``amp(grad(f))``; gradients must come back in the primal dtypes and within bfloat16 noise.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autocast
+
+BF16 = jnp.bfloat16
+KEYS = jax.random.split(jax.random.key(7), 8)
+
+
+def rel_error(got, want) -> float:
+    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    num = sum(float(jnp.sum((jnp.asarray(g, jnp.float32) - w) ** 2)) for g, w in zip(got, want))
+    den = sum(float(jnp.sum(jnp.asarray(w, jnp.float32) ** 2)) for w in want)
+    return (num / den) ** 0.5
+
+
+def dtypes(tree):
+    return [x.dtype for x in jax.tree_util.tree_leaves(tree)]
+
+
+def all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs it carries, however deeply nested."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(x, jax.extend.core.ClosedJaxpr):
+                    yield from all_eqns(x.jaxpr)
+                elif isinstance(x, jax.extend.core.Jaxpr):
+                    yield from all_eqns(x)
+
+
+def matmul_dtypes(jaxpr) -> set:
+    """The operand dtypes of every dot_general, however deeply nested."""
+    found = set()
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "dot_general":
+                found.update(v.aval.dtype for v in e.invars)
+            for v in e.params.values():
+                for x in v if isinstance(v, (tuple, list)) else (v,):
+                    if isinstance(x, jax.extend.core.ClosedJaxpr):
+                        walk(x.jaxpr)
+                    elif isinstance(x, jax.extend.core.Jaxpr):
+                        walk(x)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def check_three_ways(loss, args, *, tol, argnums=0):
+    """Forward, grad(amp(f)) and amp(grad(f)) against float32, compiled together (one
+    compilation keeps the suite fast); returns the two gradient errors."""
+    amp_loss = autocast.amp(loss, compute_dtype=BF16)
+    grad = lambda f: eqx.filter_grad(f) if argnums == 0 else jax.grad(f, argnums)  # noqa: E731
+
+    @eqx.filter_jit
+    def everything(*args):
+        return (
+            loss(*args), amp_loss(*args), grad(loss)(*args),
+            grad(amp_loss)(*args), autocast.amp(grad(loss), compute_dtype=BF16)(*args),
+        )
+
+    value, amp_value, want, outside, inside = everything(*args)
+    assert abs(float(amp_value) - float(value)) <= tol * abs(float(value)) + 1e-6
+    errors = []
+    for got in (outside, inside):
+        assert dtypes(got) == dtypes(want)
+        errors.append(rel_error(got, want))
+    assert max(errors) < tol, errors
+    return errors
+
+
+# --- custom rules that close over traced values ---------------------------------------------------
+
+W = jax.random.normal(KEYS[0], (16, 8)) / 4
+X = jax.random.normal(KEYS[1], (4, 16))
+
+
+def custom_gradient_loss(x, w):
+    w2 = w * 1.5  # a value computed inside the loss: the rule closes over a traced intermediate
+
+    @jax.custom_gradient
+    def project(x):
+        return x @ w2, lambda g: (g @ w2.T,)
+
+    return jnp.sum(jnp.tanh(project(x)) ** 2)
+
+
+def custom_vjp_loss(x, w):
+    w2 = w * 1.5
+
+    @jax.custom_vjp
+    def layer(x):
+        return jnp.tanh(x @ w2)
+
+    def fwd(x):
+        y = jnp.tanh(x @ w2)
+        return y, (y,)
+
+    def bwd(res, g):
+        (y,) = res
+        return ((g * (1 - y**2)) @ w2.T,)
+
+    layer.defvjp(fwd, bwd)
+    return jnp.sum(layer(x) ** 2)
+
+
+def custom_jvp_loss(x, w):
+    @jax.custom_jvp
+    def layer(x):
+        return jnp.sin(x @ w)
+
+    @layer.defjvp
+    def layer_jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        return jnp.sin(x @ w), jnp.cos(x @ w) * (dx @ w)
+
+    return jnp.sum(layer(x) ** 2)
+
+
+CLOSURES = [custom_gradient_loss, custom_vjp_loss, custom_jvp_loss]
+
+
+@pytest.mark.parametrize("loss", CLOSURES, ids=lambda f: f.__name__)
+def test_rules_closing_over_traced_values(loss):
+    check_three_ways(loss, (X, W), tol=0.05)
+
+
+@pytest.mark.parametrize("loss", CLOSURES, ids=lambda f: f.__name__)
+def test_closure_rules_run_under_the_policy(loss):
+    # The rules' own matrix products run in bfloat16 too, not only the primal's.
+    jaxpr = jax.make_jaxpr(jax.grad(autocast.amp(loss, compute_dtype=BF16)))(X, W)
+    assert matmul_dtypes(jaxpr) == {np.dtype(BF16)}
+
+
+@pytest.mark.parametrize("loss", CLOSURES, ids=lambda f: f.__name__)
+def test_differentiating_a_closed_over_value_is_a_clear_error(loss):
+    with pytest.raises(ValueError, match="close over"):
+        jax.grad(autocast.amp(loss), argnums=1)(X, W)
+
+
+def test_closure_rules_under_vmap_and_jit():
+    amp_loss = autocast.amp(custom_vjp_loss, compute_dtype=BF16)
+    per_example = jax.jit(jax.vmap(jax.grad(amp_loss), in_axes=(0, None)))(X[:, None], W)
+    want = jax.vmap(jax.grad(custom_vjp_loss), in_axes=(0, None))(X[:, None], W)
+    assert rel_error(per_example, want) < 0.05
+
+
+def test_a_rule_without_closures_is_left_alone():
+    # jax.nn.relu's rule closes over nothing traced: the equation is JAX's own, unrewritten.
+    jaxpr = jax.make_jaxpr(autocast.amp(lambda x: jax.nn.relu(x @ W), compute_dtype=BF16))(X)
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "custom_jvp_call"]
+    assert len(calls) == 1 and len(calls[0].invars) == 1
+
+
+def test_custom_vjp_inside_custom_jvp_differentiates():
+    @jax.custom_vjp
+    def inner(x):
+        return jnp.tanh(x)
+
+    inner.defvjp(lambda x: (jnp.tanh(x), jnp.tanh(x)), lambda y, g: (g * (1 - y**2),))
+
+    @jax.custom_jvp
+    def outer(x):
+        return inner(x)
+
+    @outer.defjvp
+    def outer_jvp(p, t):
+        return jax.jvp(inner, p, t)
+
+    loss = lambda x, w: jnp.sum(outer(x @ w) ** 2)  # noqa: E731
+    check_three_ways(loss, (X, W), tol=0.05)
+
+
+# --- Equinox, diffrax, optimistix, lineax -----------------------------------------------------------
+
+diffrax = pytest.importorskip("diffrax")
+optx = pytest.importorskip("optimistix")
+lx = pytest.importorskip("lineax")
+
+TS = jnp.linspace(0.0, 1.0, 5)
+TARGET = jnp.stack([jnp.cos(TS), jnp.sin(TS)], -1)
+
+
+def ode_loss(adjoint):
+    def loss(model):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, m: m(y)), diffrax.Tsit5(), 0.0, 1.0, 0.1,
+            jnp.array([1.0, 0.0]), args=model, saveat=diffrax.SaveAt(ts=TS),
+            stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4), adjoint=adjoint,
+        )
+        return jnp.mean((sol.ys - TARGET) ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "adjoint", [diffrax.RecursiveCheckpointAdjoint(), diffrax.BacksolveAdjoint()],
+    ids=lambda a: type(a).__name__,
+)
+def test_diffrax_neural_ode(adjoint):
+    model = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=KEYS[2])
+    loss = ode_loss(adjoint)
+    check_three_ways(loss, (model,), tol=0.1)
+    # The vector field's matrix work ran in bfloat16 inside the solver's loops.
+    jaxpr, *_ = eqx.filter_make_jaxpr(autocast.amp(loss, compute_dtype=BF16))(model)
+    assert np.dtype(BF16) in matmul_dtypes(jaxpr)
+
+
+def test_diffrax_neural_ode_trains():
+    model = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=KEYS[3])
+    loss = autocast.amp(ode_loss(diffrax.RecursiveCheckpointAdjoint()), compute_dtype=BF16)
+
+    @eqx.filter_jit
+    def step(model):
+        value, grads = eqx.filter_value_and_grad(loss)(model)
+        return value, eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.5 * g, grads))
+
+    first, model = step(model)
+    for _ in range(15):
+        last, model = step(model)
+    assert float(last) < 0.7 * float(first)
+
+
+def root_loss(w):
+    # Newton's tolerance matches bfloat16's resolution: a function evaluated in 16 bits cannot
+    # be driven below its own rounding (see the README on iterative solvers).
+    sol = optx.root_find(
+        lambda y, a: jnp.tanh(a @ y) + y - 1.0, optx.Newton(rtol=1e-2, atol=1e-2), jnp.zeros(2), args=w
+    )
+    return jnp.sum(sol.value**2)
+
+
+def test_optimistix_root_find():
+    check_three_ways(root_loss, (jnp.array([[3.0, 1.0], [1.0, 2.0]]),), tol=0.1)
+
+
+def function_operator_loss(w, b):
+    op = lx.FunctionLinearOperator(lambda v: w @ v + 4 * v, jax.ShapeDtypeStruct((2,), jnp.float32))
+    return jnp.sum(lx.linear_solve(op, b).value ** 2)
+
+
+def matrix_operator_loss(w, b):
+    op = lx.MatrixLinearOperator(w @ w.T + jnp.eye(2))
+    return jnp.sum(lx.linear_solve(op, b).value ** 2)
+
+
+@pytest.mark.parametrize("loss", [matrix_operator_loss, function_operator_loss], ids=lambda f: f.__name__)
+def test_lineax_solve(loss):
+    check_three_ways(loss, (jnp.array([[3.0, 1.0], [1.0, 2.0]]), jnp.ones(2)), tol=0.05)
+
+
+def test_lineax_solve_runs_in_float32_whichever_came_first():
+    # A solve with a matrix seen first must not teach amp that linear_solve never carries a
+    # sub-program: the function operator's matvec then runs in float32, as linear algebra does.
+    w, b = jnp.array([[3.0, 1.0], [1.0, 2.0]]), jnp.ones(2)
+    autocast.amp(matrix_operator_loss, compute_dtype=BF16)(w, b)
+    jaxpr = jax.make_jaxpr(autocast.amp(function_operator_loss, compute_dtype=BF16))(w, b)
+    solves = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "linear_solve"]
+    floats = [v.aval.dtype for e in solves for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    assert solves and floats and set(floats) == {np.dtype(jnp.float32)}
+
+
+def test_foreign_higher_order_primitive_interprets_its_jaxprs():
+    # A primitive of another library keeping a jaxpr in its parameters: the boundary keeps the
+    # recorded dtypes, the inside runs under the policy.
+    from autocast.higher_order import _foreign
+
+    prim = jax.extend.core.Primitive("foreign_apply")
+    prim.def_impl(lambda x, *, body: jax.core.eval_jaxpr(body[0].jaxpr, body[0].consts, x)[0])
+    prim.def_abstract_eval(lambda x, *, body: body[0].out_avals[0])
+    from jax.interpreters import mlir
+
+    mlir.register_lowering(prim, mlir.lower_fun(
+        lambda x, *, body: jax.core.eval_jaxpr(body[0].jaxpr, body[0].consts, x)[0], multiple_results=False
+    ))
+    body = jax.make_jaxpr(lambda v: jnp.tanh(v @ W))(X)
+    f = lambda x: prim.bind(x, body=(body, "static"))  # noqa: E731
+    jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=BF16))(X)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is prim]
+    assert eqn.invars[0].aval.dtype == jnp.float32 and eqn.outvars[0].aval.dtype == jnp.float32
+    assert matmul_dtypes(eqn.params["body"][0]) == {np.dtype(BF16)}
+    assert _foreign is not None
+    np.testing.assert_allclose(autocast.amp(f, compute_dtype=BF16)(X), f(X), rtol=0.05, atol=0.02)
+
+
+# --- Pallas kernels ------------------------------------------------------------------------------
+
+pl = pytest.importorskip("jax.experimental.pallas")
+
+
+def _gate_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.tanh(x_ref[...]) * x_ref[...]
+
+
+def _gate_grad_kernel(x_ref, g_ref, o_ref):
+    t = jnp.tanh(x_ref[...])
+    o_ref[...] = g_ref[...] * (t + x_ref[...] * (1 - t * t))
+
+
+def _call(kernel, *args):
+    out = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+    return pl.pallas_call(kernel, out_shape=out, interpret=True)(*args)
+
+
+@jax.custom_vjp
+def gate(x):
+    return _call(_gate_kernel, x)
+
+
+gate.defvjp(lambda x: (_call(_gate_kernel, x), x), lambda x, g: (_call(_gate_grad_kernel, x, g),))
+
+W2 = jax.random.normal(KEYS[4], (8, 8)) / 3
+
+
+def kernel_loss(w1, x):
+    return jnp.sum((gate(x @ w1) @ W2) ** 2)
+
+
+def test_pallas_kernel_between_amp_matmuls():
+    check_three_ways(kernel_loss, (W, X), tol=0.05)
+    jaxpr = jax.make_jaxpr(jax.grad(autocast.amp(kernel_loss, compute_dtype=BF16)))(W, X)
+    kernels = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                kernels.append(e)
+            for v in e.params.values():
+                for s in v if isinstance(v, (tuple, list)) else (v,):
+                    if isinstance(s, jax.extend.core.ClosedJaxpr):
+                        walk(s.jaxpr)
+
+    walk(jaxpr.jaxpr)
+    # forward and backward kernels ran as written: in the float32 they were given
+    assert len(kernels) >= 2
+    assert all(v.aval.dtype == jnp.float32 for e in kernels for v in [*e.invars, *e.outvars])
+    assert matmul_dtypes(jaxpr) == {np.dtype(BF16)}
+
+
+def test_pallas_kernel_shows_in_the_report_and_obeys_the_policy():
+    text = str(autocast.report(kernel_loss, compute_dtype=BF16)(W, X))
+    assert "pallas_call" in text
+    # The policy decides a kernel like any other primitive: its entry is consulted.
+    seen = []
+
+    def keep_and_count(compute_dtype, original_dtypes, *args, **params):
+        seen.append(original_dtypes)
+        return autocast.use_original_precision(compute_dtype, original_dtypes, *args, **params)
+
+    policy = {**autocast.default_amp_policy, pl.pallas_call_p: keep_and_count}
+    autocast.amp(kernel_loss, compute_dtype=BF16, amp_policy=policy)(W, X)
+    assert seen == [[jnp.float32]]
