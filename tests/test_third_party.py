@@ -186,6 +186,28 @@ def test_custom_vjp_inside_custom_jvp_differentiates():
     check_three_ways(loss, (X, W), tol=0.05)
 
 
+def test_custom_vjp_backward_inside_custom_jvp_runs_under_the_policy():
+    # JAX linearises the inner custom_vjp into custom_lin, whose backward it calls while
+    # transposing; amp re-binds it so that backward's matmul is 16-bit too.
+    v = jax.random.normal(KEYS[5], (8, 8)) / 3
+
+    @jax.custom_vjp
+    def inner(x):
+        return jnp.tanh(x)
+
+    inner.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: ((g @ v) * (1 - jnp.tanh(x) ** 2),))
+
+    @jax.custom_jvp
+    def outer(x):
+        return inner(x)
+
+    outer.defjvp(lambda p, t: jax.jvp(inner, p, t))
+    loss = lambda x, w: jnp.sum(outer(x @ w) ** 2)  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(autocast.amp(loss, compute_dtype=BF16)))(X, W)
+    assert matmul_dtypes(jaxpr) == {np.dtype(BF16)}
+    check_three_ways(loss, (X, W), tol=0.05)
+
+
 # --- Equinox, diffrax, optimistix, lineax -----------------------------------------------------------
 
 diffrax = pytest.importorskip("diffrax")

@@ -256,3 +256,11 @@ def hook_custom_calls(*, vjp: Any, jvp: Any) -> None:
         call._autocast_hook = True  # type: ignore[attr-defined]
         call.__wrapped__ = original  # type: ignore[attr-defined]
         cls.__call__ = call
+
+
+def rewrap(fun: Any, fn: Any) -> Any:
+    """``fn`` in place of the ``lu.WrappedFun`` ``fun`` (a ``custom_lin``'s backward rule),
+    with the same debug information."""
+    from jax._src import linear_util as lu
+
+    return lu.wrap_init(fn, debug_info=fun.debug_info)

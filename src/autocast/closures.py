@@ -76,7 +76,7 @@ def _instantiate(x: Any) -> Any:
     return jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero) else x
 
 
-def _traced(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Callable, list]:
+def traced_call(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Callable, list]:
     """``fn(*args)`` as a closed jaxpr over the array leaves of ``args`` (``CustomVJPPrimal``
     wrappers opened; everything else held as it is), and how to rebuild its output."""
     leaves, tree = jax.tree_util.tree_flatten(list(args), is_leaf=_is_wrapper)
@@ -106,7 +106,7 @@ def _traced(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Callable,
 
 def _call_swapped(fn: Callable[..., Any], args: Sequence[Any], old: Sequence[Any], new: Sequence[Any]) -> Any:
     """``fn(*args)``, with each closed-over traced value in ``old`` replaced by ``new``'s."""
-    closed, rebuild, values = _traced(fn, args)
+    closed, rebuild, values = traced_call(fn, args)
     swap = {id(o): n for o, n in zip(old, new)}
     consts = [swap.get(id(c), c) if isinstance(c, jax.core.Tracer) else c for c in closed.consts]
     return rebuild(jax.core.eval_jaxpr(closed.jaxpr, consts, *values))
@@ -158,7 +158,7 @@ def _vjp_closure(self: Any, args: tuple) -> list[Any]:
             for i, x in enumerate(xs)
         ]
 
-    fwd_jaxpr, rebuild, _ = _traced(lambda *xs: self.fwd(*fwd_args(xs)), args)
+    fwd_jaxpr, rebuild, _ = traced_call(lambda *xs: self.fwd(*fwd_args(xs)), args)
     out, res = rebuild([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd_jaxpr.out_avals])
     statics = [args[i] for i in sorted(nondiff)]
     cts = jax.tree_util.tree_map(_tangent_spec, out)
@@ -230,7 +230,7 @@ def _jvp_closure(self: Any, args: tuple) -> list[Any]:
         lambda x: np.zeros(np.shape(x), jax.dtypes.float0) if not is_inexact_dtype(x.dtype) else x,
         primals,
     )
-    closed, _, _ = _traced(lambda p, t: self.jvp(*statics, tuple(p), tuple(t)), [primals, tangents])
+    closed, _, _ = traced_call(lambda p, t: self.jvp(*statics, tuple(p), tuple(t)), [primals, tangents])
     return _closed_over(closed)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from autocast import _compat
-from autocast._tree import is_inexact_dtype
+from autocast._tree import is_array, is_inexact_dtype
 from autocast.interpreter import SPREAD, STRONG, Context, decide_by_scope, eval_jaxpr
 from autocast.retrace import (
     TRACES,
@@ -398,6 +398,39 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     return fn(*args)
 
 
+def _custom_lin(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """The linearised ``custom_vjp`` that JAX makes when a JVP rule calls a ``custom_vjp``
+    function (a ``custom_vjp`` inside a ``custom_jvp``): its backward rule is called when the
+    program is transposed, long after amp has evaluated it, so it is re-bound with a backward
+    rule that runs the user's under the policy. Each cotangent comes back in the dtype its
+    tangent input has here, as the transpose of the rest of the program expects."""
+    from autocast.closures import traced_call
+
+    p = eqn.params
+    bwd = p["bwd"]
+    inner = ctx.enter(eqn)
+    in_zeros = p.get("in_zeros")
+    tangent_dtypes = iter([x.dtype for x in invals[p["num_res"]:]])
+    targets = [
+        None if in_zeros is not None and zero else next(tangent_dtypes, None)
+        for zero in (in_zeros if in_zeros is not None else [False] * (len(invals) - p["num_res"]))
+    ]
+
+    def amp_bwd(*args: Any) -> Any:
+        closed, rebuild, values = traced_call(bwd.call_wrapped, args)
+        outs = eval_jaxpr(closed.jaxpr, closed.consts, values, inner)
+        cts = rebuild([
+            cast_value(x, a.dtype) if _castable(x, a.dtype) else x
+            for x, a in zip(outs, closed.out_avals)
+        ])
+        return [
+            cast_value(c, d) if d is not None and is_array(c) and _castable(c, d) else c
+            for c, d in zip(cts, [*targets, *[None] * (len(cts) - len(targets))])
+        ]
+
+    return _compat.bind_equation(eqn, invals, {**p, "bwd": _compat.rewrap(bwd, amp_bwd)})
+
+
 # --- mapped and sharded -----------------------------------------------------------------------
 
 def _remapped(
@@ -494,6 +527,7 @@ HANDLERS: dict[str, Handler] = {
     "cond": _cond,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
+    "custom_lin": _custom_lin,
     "shard_map": _shard_map,
     "xla_pmap": _pmap,
     "custom_linear_solve": _bind_in_original_precision,  # jnp.linalg.solve / inv, expm, cg
