@@ -9,6 +9,7 @@ immutability.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import pickle
 
@@ -376,7 +377,9 @@ def test_jmp_bug_c_float16_scale_grows_past_float16_max():
     assert _state(odd) == (80000.0, 0)
     # Scaling a float16 leaf by 2**16 does not round the scale itself to float16 (inf).
     scaled = ls.adjust(F).scale(jnp.float16(2.0**-10))  # 2**16 * 2**-10
-    assert scaled.dtype == jnp.float16 and float(scaled) == 64.0
+    assert float(scaled) == 64.0
+    unscaled = ls.adjust(F).unscale(jnp.float16(2.0**10))  # 2**10 / 2**16
+    assert unscaled.dtype == jnp.float16 and float(unscaled) == 2.0**-6
 
 
 HALF_AND_FULL = [jnp.float16, jnp.bfloat16, jnp.float32]
@@ -388,26 +391,34 @@ HALF_AND_FULL = [jnp.float16, jnp.bfloat16, jnp.float32]
     [autocast.StaticLossScale(8.0), autocast.DynamicLossScale(8.0), autocast.NoOpLossScale()],
     ids=["static", "dynamic", "noop"],
 )
-def test_jmp_bug_d_scale_and_unscale_keep_leaf_dtype(ls, dtype):
-    """jmp bug (d): scale/unscale multiplied by a float32 scale and promoted float16 and
-    bfloat16 leaves to float32. Each leaf must keep its dtype."""
+def test_jmp_bug_d_unscale_keeps_leaf_dtype_scale_widens_16_bit(ls, dtype):
+    """jmp bug (d): unscale multiplied by a float32 scale and promoted float16 and bfloat16
+    gradients to float32. unscale keeps each leaf's dtype. scale (of the loss) deliberately
+    returns 16-bit leaves in float32, so that a scaled float16 loss cannot overflow; a NoOp
+    scale returns the tree itself."""
     tree = {"a": jnp.full((3,), 1.5, dtype), "b": [jnp.asarray(0.25, dtype)]}
     factor = float(ls.loss_scale)
-    for out, mult in ((ls.scale(tree), factor), (ls.unscale(tree), 1 / factor)):
-        assert out["a"].dtype == dtype and out["b"][0].dtype == dtype
+    noop = isinstance(ls, autocast.NoOpLossScale)
+    scaled_dtype = dtype if noop else jnp.float32
+    for out, mult, want in (
+        (ls.scale(tree), factor, scaled_dtype),
+        (ls.unscale(tree), 1 / factor, dtype),
+    ):
+        assert out["a"].dtype == want and out["b"][0].dtype == want
         assert out["a"].shape == (3,) and out["b"][0].shape == ()
         np.testing.assert_array_equal(np.asarray(out["a"], np.float32), 1.5 * mult)
         assert float(out["b"][0]) == 0.25 * mult
 
 
 def test_jmp_bug_d_dtype_kept_under_jit():
-    """jmp bug (d), traced: the jitted scale/unscale keep float16 and bfloat16 dtypes."""
+    """jmp bug (d), traced: the jitted unscale keeps float16 and bfloat16 dtypes; the jitted
+    scale widens them to float32."""
     ls = autocast.DynamicLossScale(2.0**10)
     tree = {"h": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.bfloat16)}
-    out = jax.jit(lambda s, t: (s.scale(t), s.unscale(t)))(ls, tree)
-    for part in out:
-        assert part["h"].dtype == jnp.float16 and part["b"].dtype == jnp.bfloat16
-    assert float(out[0]["h"][0]) == 1024.0 and float(out[1]["b"][0]) == 2.0**-10
+    scaled, unscaled = jax.jit(lambda s, t: (s.scale(t), s.unscale(t)))(ls, tree)
+    assert unscaled["h"].dtype == jnp.float16 and unscaled["b"].dtype == jnp.bfloat16
+    assert scaled["h"].dtype == scaled["b"].dtype == jnp.float32
+    assert float(scaled["h"][0]) == 1024.0 and float(unscaled["b"][0]) == 2.0**-10
 
 
 def test_jmp_bug_d_float64_leaves_keep_dtype():
@@ -425,10 +436,12 @@ def test_jmp_bug_d_float64_leaves_keep_dtype():
 
 
 def test_jmp_bug_d_numpy_half_leaves_keep_dtype():
-    """jmp bug (d), NumPy leaves: a NumPy float16 array keeps float16."""
-    out = autocast.StaticLossScale(2.0).scale({"n": np.ones(2, np.float16)})
+    """jmp bug (d), NumPy leaves: a NumPy float16 gradient keeps float16 when unscaled."""
+    out = autocast.StaticLossScale(2.0).unscale({"n": np.ones(2, np.float16)})
     assert out["n"].dtype == np.float16
-    np.testing.assert_array_equal(np.asarray(out["n"]), [2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(out["n"]), [0.5, 0.5])
+    scaled = autocast.StaticLossScale(2.0).scale({"n": np.ones(2, np.float16)})
+    np.testing.assert_array_equal(np.asarray(scaled["n"]), [2.0, 2.0])
 
 
 @pytest.mark.parametrize(
@@ -449,7 +462,7 @@ def test_jmp_bug_d_non_float_leaves_pass_through_untouched(ls):
         assert out["s"] == "name" and out["none"] is None
         assert out["p"] == 0.5 and type(out["p"]) is float  # Python floats are left alone
         assert out["k"] == 3 and type(out["k"]) is int
-        assert out["f"].dtype == jnp.float16
+    assert ls.unscale(tree)["f"].dtype == jnp.float16
     assert float(ls.scale(tree)["f"][0]) == 8.0
 
 
@@ -485,13 +498,34 @@ def test_unscale_inverts_scale_exactly_for_float32(values, exponent):
     np.testing.assert_array_equal(np.asarray(back), x)
 
 
-def test_scale_multiplies_by_power_of_two_exactly_in_float16():
+def test_scale_multiplies_by_power_of_two_exactly_from_float16():
     x = jnp.asarray([0.1, -3.3, 1e-3, 7.0], jnp.float16)
     out = autocast.DynamicLossScale(2.0**10).scale(x)
-    assert out.dtype == jnp.float16
-    np.testing.assert_array_equal(
-        np.asarray(out), (np.asarray(x).astype(np.float32) * 1024.0).astype(np.float16)
-    )
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x).astype(np.float32) * 1024.0)
+
+
+@pytest.mark.parametrize(
+    "ls",
+    [
+        autocast.StaticLossScale(2.0**15),
+        autocast.DynamicLossScale(2.0**15),
+        autocast.DynamicScalerState(),
+    ],
+    ids=["static", "dynamic", "scaler-state"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_scaled_16_bit_loss_does_not_overflow(ls, dtype):
+    """A float16 loss of 3.0 at the default 2**15 is 98304, beyond float16's 65504: kept in
+    16 bits it was inf. scale returns it in float32, finite and exact (as jmp does)."""
+    out = ls.scale(jnp.asarray(3.0, dtype))
+    assert out.dtype == jnp.float32
+    assert float(out) == 3.0 * 2**15
+    # Under jit and differentiated: the scaled loss's cotangent flows back into the 16-bit
+    # input in 16 bits, and unscale returns the true gradient in that dtype.
+    grad = jax.jit(jax.grad(lambda x, s: s.scale(x * x * 0.25)))(jnp.asarray(3.0, dtype), ls)
+    assert grad.dtype == dtype and float(grad) == 1.5 * 2**15
+    assert ls.unscale(grad).dtype == dtype and float(ls.unscale(grad)) == 1.5
 
 
 @pytest.mark.parametrize(
@@ -703,8 +737,10 @@ def test_select_tree_rejects_differing_non_array_leaves():
     [
         (dict(period=0), ValueError, r"^period must be at least 1"),
         (dict(period=-3), ValueError, r"^period must be at least 1"),
-        (dict(period=2.0), TypeError, r"^period must be an integer"),
-        (dict(period=np.float32(2)), TypeError, r"^period must be an integer"),
+        (dict(period=2.5), ValueError, r"^period must be a whole number, got 2.5"),
+        (dict(period=float("inf")), ValueError, r"^period must be a whole number"),
+        (dict(period=np.float32(2.5)), ValueError, r"^period must be a whole number"),
+        (dict(period=1 + 2j), TypeError, r"^period must be an integer"),
         (dict(period=True), TypeError, r"^period must be an integer"),
         (dict(period=jnp.array([1, 2])), ValueError, r"^period must be a scalar"),
         (dict(counter=-1), ValueError, r"^counter must be at least 0"),
@@ -713,7 +749,7 @@ def test_select_tree_rejects_differing_non_array_leaves():
         (dict(factor=1), ValueError, r"^factor must be greater than 1"),
         (dict(factor=0.5), ValueError, r"^factor must be greater than 1"),
         (dict(factor=float("inf")), ValueError, r"^factor"),
-        (dict(min_loss_scale=0.0), ValueError, r"^min_loss_scale"),
+        (dict(min_loss_scale=-0.5), ValueError, r"^min_loss_scale must be a non-negative"),
         (dict(min_loss_scale=-1.0), ValueError, r"^min_loss_scale"),
         (dict(min_loss_scale=float("nan")), ValueError, r"^min_loss_scale"),
         (dict(loss_scale=0.5), ValueError, r"below min_loss_scale"),
@@ -816,11 +852,16 @@ def test_dynamic_constructed_from_constants_inside_jit():
 
 
 def test_static_constructed_from_traced_argument():
-    out = jax.jit(lambda s, x: autocast.StaticLossScale(s).scale(x))(
+    out = jax.jit(lambda s, x: autocast.StaticLossScale(s).unscale(x))(
         jnp.float32(4.0), jnp.ones(2, jnp.float16)
     )
     assert out.dtype == jnp.float16
-    np.testing.assert_array_equal(np.asarray(out), [4.0, 4.0])
+    np.testing.assert_array_equal(np.asarray(out), [0.25, 0.25])
+
+
+def test_traced_float_period_is_refused():
+    with pytest.raises(TypeError, match="period must be an integer, got a traced float32"):
+        jax.jit(lambda p: autocast.DynamicLossScale(8.0, period=p))(jnp.float32(3.0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -853,7 +894,7 @@ def test_setting_an_attribute_raises(make, name):
 
 def test_fields_cannot_be_deleted():
     ls = autocast.DynamicLossScale(8.0)
-    with pytest.raises(AttributeError, match="immutable"):
+    with pytest.raises(AttributeError, match="min_loss_scale"):
         del ls.min_loss_scale
     assert float(ls.min_loss_scale) == 1.0
 
@@ -879,3 +920,75 @@ def test_select_tree_selects_numpy_scalars():
 def test_dynamic_rejects_unusable_values_with_named_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         autocast.DynamicLossScale(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# 10. jmp parity: the LossScale base type, dataclass behaviour, jmp's spellings.
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_loss_scale_is_a_loss_scale():
+    for ls in (
+        autocast.NoOpLossScale(),
+        autocast.StaticLossScale(2.0),
+        autocast.DynamicLossScale(2.0),
+        autocast.DynamicScalerState(),
+    ):
+        assert isinstance(ls, autocast.LossScale)
+    assert not isinstance(2.0, autocast.LossScale)
+    with pytest.raises(TypeError):
+        autocast.LossScale()  # abstract: it has no adjust
+
+
+def test_value_equality():
+    assert autocast.NoOpLossScale() == autocast.NoOpLossScale()
+    assert autocast.StaticLossScale(2.0) == autocast.StaticLossScale(jnp.float16(2))
+    assert autocast.StaticLossScale(2.0) != autocast.StaticLossScale(4.0)
+    assert autocast.DynamicLossScale(8.0, period=3) == autocast.DynamicLossScale(
+        jnp.float32(8), counter=0, period=3
+    )
+    assert autocast.DynamicLossScale(8.0) != autocast.DynamicLossScale(8.0, period=3)
+    assert autocast.DynamicLossScale(8.0) != autocast.StaticLossScale(8.0)
+    ls = _sample_dynamic()
+    assert jax.tree_util.tree_map(lambda x: x, ls) == ls
+    assert jax.jit(lambda s: s)(ls) == ls
+    assert pickle.loads(pickle.dumps(ls)) == ls
+    assert ls.adjust(F) != ls
+
+
+def test_dataclasses_replace_checks_and_converts():
+    ls = _sample_dynamic()
+    new = dataclasses.replace(ls, loss_scale=64, counter=1)
+    _assert_fields(new, loss_scale=64.0, counter=1, period=7, factor=4.0, min_loss_scale=16.0)
+    assert dataclasses.replace(autocast.StaticLossScale(2.0), loss_scale=8).loss_scale == 8.0
+    with pytest.raises(ValueError, match="factor must be greater than 1"):
+        dataclasses.replace(ls, factor=0.5)
+    # Under jit, with traced fields, the checks that need values are skipped.
+    reset = jax.jit(lambda s: dataclasses.replace(s, counter=0))(ls)
+    _assert_fields(reset, loss_scale=2.0**12, counter=0, period=7, factor=4.0)
+    assert [f.name for f in dataclasses.fields(ls)] == list(DYNAMIC_FIELDS)
+
+
+def test_whole_float_counts_are_integers():
+    """jmp accepts period=5.0; a float with a whole value counts as that integer."""
+    ls = autocast.DynamicLossScale(8.0, counter=np.float32(1), period=5.0)
+    _assert_fields(ls, period=5, counter=1)
+
+
+def test_min_loss_scale_zero_means_no_floor_but_never_zero():
+    ls = autocast.DynamicLossScale(10.0, period=20, factor=2, min_loss_scale=0.0)
+    _assert_fields(ls, min_loss_scale=0.0)
+    for i in range(100):
+        ls = ls.adjust(F)
+    assert float(ls.loss_scale) == pytest.approx(10.0 / 2**100, rel=1e-5)
+    for _ in range(100):  # below 2**-126 the smallest normal float32 is the floor
+        ls = ls.adjust(F)
+    assert float(ls.loss_scale) == float(np.finfo(np.float32).tiny)
+    assert float(ls.adjust(T).loss_scale) > 0
+
+
+def test_loss_scales_are_unhashable_like_jmps_but_noop_is_hashable():
+    # Frozen dataclasses hash their fields; array fields cannot be hashed (as in jmp).
+    with pytest.raises(TypeError):
+        hash(autocast.DynamicLossScale(8.0))
+    assert hash(autocast.NoOpLossScale()) == hash(autocast.NoOpLossScale())

@@ -309,6 +309,20 @@ def test_loss_scale_of_needs_exactly_one_wrapper():
         aopt.skipped_steps(twice.init(params))
 
 
+def test_wrapping_dynamic_loss_scaling_in_itself_is_refused():
+    """It used to be accepted and unscaled the gradients twice."""
+    once = aopt.dynamic_loss_scaling(optax.sgd(0.1))
+    with pytest.raises(TypeError, match="already wrapped in dynamic_loss_scaling.*unscaled twice"):
+        aopt.dynamic_loss_scaling(once)
+    # Hidden inside a chain it is found when the state is built.
+    hidden = aopt.dynamic_loss_scaling(optax.chain(optax.clip(1.0), once))
+    with pytest.raises(TypeError, match="already contains dynamic_loss_scaling.*unscaled twice"):
+        hidden.init({"w": jnp.ones(2)})
+    # Wrapped once, outermost, is fine.
+    state = optax.chain(optax.clip(1.0), once).init({"w": jnp.ones(2)})
+    assert float(aopt.loss_scale_of(state).loss_scale) == 2.0**15
+
+
 @pytest.mark.parametrize(
     "inner",
     [optax.adam, lambda g, s, p=None: (g, s), (lambda p: (), lambda g, s, p=None: (g, s)), None],

@@ -22,7 +22,7 @@ F32, F16, BF16, F64 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloa
     "name, dtype",
     [
         ("f32", F32), ("float32", F32), ("full", F32),
-        ("f16", F16), ("float16", F16), ("half", F16),
+        ("f16", F16), ("float16", F16),
         ("bf16", BF16), ("bfloat16", BF16),
         ("f64", F64), ("float64", F64),
         (" BF16 ", BF16), ("Float32", F32),
@@ -40,7 +40,7 @@ def test_parse_dtype_names(name, dtype):
         ("p=f16", (F16, F16, F16)),
         ("p=f16,c=bf16", (F16, BF16, BF16)),
         ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
-        ("params=float32,compute=half,output=full", (F32, F16, F32)),
+        ("params=float32,compute=float16,output=full", (F32, F16, F32)),
         (" P = F32 , C = BF16 ", (F32, BF16, BF16)),
         ("o=bf16", (F32, F32, BF16)),
         ("o=f16,c=bf16", (F32, BF16, F16)),
@@ -50,6 +50,37 @@ def test_parse_dtype_names(name, dtype):
 def test_get_policy_grammar_and_defaults(policy, expected):
     p = autocast.get_policy(policy)
     assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
+
+
+def test_half_means_half_dtype_as_in_jmp(monkeypatch):
+    """jmp: "half" is half_dtype() (bfloat16 where that is preferred), not always float16."""
+    half = autocast.half_dtype()
+    assert autocast.parse_dtype("half") == half
+    assert autocast.get_policy("c=half").compute_dtype == half
+    assert autocast.Policy("f32", "half", "f32").compute_dtype == half
+    # It follows half_dtype() wherever that lands, e.g. float16 on a pre-Ampere GPU.
+    monkeypatch.setattr(autocast.policy, "half_dtype", lambda: F16)
+    assert autocast.parse_dtype(" HALF ") == F16
+    assert autocast.get_policy("params=float32,compute=half,output=full").compute_dtype == F16
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("bfloat16", BF16), ("float16", F16), ("float32", F32), ("f32", F32), ("bf16", BF16),
+        ("full", F32), ("f64", F64), (" BFloat16 ", BF16),
+        ("float8_e4m3fn", np.dtype(jnp.float8_e4m3fn)),
+    ],
+)
+def test_get_policy_bare_dtype_sets_all_three(name, dtype):
+    """jmp: a policy string that is just a dtype name means params=compute=output=dtype."""
+    p = autocast.get_policy(name)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (dtype, dtype, dtype)
+
+
+def test_get_policy_bare_half():
+    h = autocast.half_dtype()
+    assert autocast.get_policy("half") == autocast.Policy(h, h, h)
 
 
 def test_get_policy_passes_a_policy_through():
@@ -195,7 +226,10 @@ def test_half_dtype_by_device(device, expected):
         ("=bf16", r"malformed part '=bf16'"),
         ("c", r"malformed part 'c'"),
         ("c=f16,", r"malformed part ''"),
-        ("c=foo", r"key 'c': unknown dtype 'foo'; accepted names: f32, float32, full"),
+        ("c=foo", r"key 'c': Unknown dtype 'foo'; accepted names: f32, float32, full"),
+        ("compute_float16", r"^Unknown dtype 'compute_float16'.*one dtype name.*key=dtype pairs"),
+        ("int8", r"'int8' is not floating-point.*one dtype name"),
+        ("p", r"malformed part 'p'"),
         ("c=int8", r"'int8' is not floating-point"),
         ("c=complex64", r"'complex64' is not floating-point"),
         ("p=f32,params=f16", r"sets param_dtype twice"),
@@ -216,7 +250,7 @@ def test_get_policy_rejects_non_strings():
     "value, error, match",
     [
         ("", ValueError, "empty dtype name; accepted names"),
-        ("bf17", ValueError, r"unknown dtype 'bf17'; accepted names: f32"),
+        ("bf17", ValueError, r"Unknown dtype 'bf17'; accepted names: f32.*half"),
         ("int32", ValueError, "'int32' is not floating-point"),
         ("bool", ValueError, "'bool' is not floating-point"),
         (16, TypeError, "expects a string"),

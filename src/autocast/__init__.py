@@ -10,6 +10,7 @@ code written for them ports by changing its import line. Loss scaling for float1
 
 from autocast.loss_scale import (
     DynamicLossScale,
+    LossScale,
     LossScaleUpdate,
     NoOpLossScale,
     StaticLossScale,
@@ -38,7 +39,12 @@ from autocast.rules import (
     use_widest_precision,
 )
 from autocast.report import Report, report
-from autocast.scaler import DynamicScalerState, dynamic_scale_grad, dynamic_scale_value_and_grad
+from autocast.scaler import (
+    DynamicScalerState,
+    dynamic_scale_grad,
+    dynamic_scale_tx,
+    dynamic_scale_value_and_grad,
+)
 from autocast.transform import amp, amp_stop
 
 __version__ = "0.1.0.dev0"
@@ -47,6 +53,7 @@ __all__ = [
     "DEFAULT_PRECISION_TABLE",
     "DynamicLossScale",
     "DynamicScalerState",
+    "LossScale",
     "LossScaleUpdate",
     "NoOpLossScale",
     "Policy",
@@ -61,6 +68,7 @@ __all__ = [
     "default_amp_policy",
     "describe_default_policy",
     "dynamic_scale_grad",
+    "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
     "get_policy",
     "half_dtype",

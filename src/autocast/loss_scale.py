@@ -5,13 +5,18 @@ differentiation and the gradients are divided by it afterwards. The rule that gr
 that factor lives in :func:`next_loss_scale`; :class:`DynamicLossScale` here and the
 ``DynamicScalerState`` of the scaler module both call it, so it is written once.
 
-Every field of every loss-scale object is a pytree leaf stored as an array, so the whole state
-survives ``jax.jit``, ``tree_flatten``/``tree_unflatten``, ``pickle`` and checkpoint libraries
-that save leaves only. (``jmp`` 0.0.4 kept ``min_loss_scale`` outside its leaves and lost it.)
+Every loss-scale object is an instance of :class:`LossScale`. ``NoOpLossScale``,
+``StaticLossScale`` and ``DynamicLossScale`` are frozen dataclasses (value equality,
+``dataclasses.replace``) and pytrees whose every field is a leaf stored as an array, so the
+whole state survives ``jax.jit``, ``tree_flatten``/``tree_unflatten``, ``pickle`` and checkpoint
+libraries that save leaves only. (``jmp`` 0.0.4 kept ``min_loss_scale`` outside its leaves and
+lost it.)
 """
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import functools
 from typing import Any, NamedTuple, TypeVar
 
@@ -24,6 +29,9 @@ from autocast._tree import is_array, is_inexact_array, map_floating
 
 T = TypeVar("T")
 
+# The smallest normal float32: the floor under every scale, so that none ever reaches 0.
+_FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)
+
 
 def _concrete(x: Any) -> np.ndarray | None:
     """The value of ``x`` when it is known at trace time, else None (a tracer)."""
@@ -33,35 +41,70 @@ def _concrete(x: Any) -> np.ndarray | None:
         return None
 
 
-def _checked_scale(value: Any, name: str) -> jax.Array:
+def _checked_scale(value: Any, name: str, *, allow_zero: bool = False) -> jax.Array:
     """``value`` as a float32 scalar, after checking it is a positive finite number there."""
+    what = "a non-negative" if allow_zero else "a positive"
     if isinstance(value, (bool, np.bool_, str, bytes)) or (
         hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number)
     ):
-        raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+        raise TypeError(f"{name} must be {what} finite number, got {value!r}")
     concrete = _concrete(value)
     if concrete is not None:
         if concrete.shape != ():
             raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
-        if not jnp.issubdtype(concrete.dtype, jnp.number):
-            raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+        if not jnp.issubdtype(concrete.dtype, jnp.number) or jnp.issubdtype(
+            concrete.dtype, jnp.complexfloating
+        ):
+            raise TypeError(f"{name} must be {what} finite number, got {value!r}")
         # Checked after the cast, so 1e39 (inf in float32) and 1e-46 (0) are refused too.
         with np.errstate(over="ignore", under="ignore"):
             as_f32 = np.asarray(concrete, np.float32)
-        if not np.isfinite(as_f32) or as_f32 <= 0:
-            raise ValueError(
-                f"{name} must be a positive finite number (in float32), got {concrete}"
-            )
+        if not np.isfinite(as_f32) or as_f32 < 0 or (as_f32 == 0 and not allow_zero):
+            raise ValueError(f"{name} must be {what} finite number (in float32), got {concrete}")
     return jnp.asarray(value, dtype=jnp.float32)
 
 
-def _scale_leaf(x: jax.Array, factor: jax.Array, divide: bool = False) -> jax.Array:
-    # Work in at least float32 and cast back: the leaf keeps its dtype, and the factor is
-    # never rounded to float16 (2**16 would overflow). Unscaling divides rather than
-    # multiplying by the inverse, which is subnormal, or zero, above 2**126.
+def _checked_count(value: Any, name: str, *, minimum: int) -> jax.Array:
+    """``value`` as an int32 scalar. A float with a whole value (``5.0``) counts as an integer,
+    as it does in ``jmp`` and ``jaxamp``; a fractional one is refused rather than truncated."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or (
+        hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number)
+    ):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    concrete = _concrete(value)
+    if concrete is None:
+        if not jnp.issubdtype(value.dtype, jnp.integer):
+            # A traced float cannot be checked for a whole value; truncating it would be silent.
+            raise TypeError(f"{name} must be an integer, got a traced {value.dtype} value")
+        return jnp.asarray(value, dtype=jnp.int32)
+    if concrete.shape != ():
+        raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
+    if np.issubdtype(concrete.dtype, np.floating):
+        if not np.isfinite(concrete) or concrete != np.round(concrete):
+            raise ValueError(f"{name} must be a whole number, got {concrete}")
+    elif not np.issubdtype(concrete.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if concrete < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {concrete}")
+    if concrete > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} must fit in int32, got {concrete}")
+    if np.issubdtype(concrete.dtype, np.floating):
+        return jnp.asarray(int(concrete), dtype=jnp.int32)
+    return jnp.asarray(value, dtype=jnp.int32)
+
+
+def _widened_product(x: jax.Array, factor: jax.Array) -> jax.Array:
+    """``x * factor`` in at least float32: a 16-bit ``x`` is promoted, so a scaled loss cannot
+    overflow float16 and the factor is never rounded to 16 bits (2**16 is inf in float16)."""
     wide = jnp.promote_types(x.dtype, jnp.float32)
-    op = jnp.divide if divide else jnp.multiply
-    return op(x.astype(wide), factor.astype(wide)).astype(x.dtype)
+    return jnp.multiply(x.astype(wide), jnp.asarray(factor).astype(wide))
+
+
+def _unscale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+    # Divides rather than multiplying by the inverse, which is subnormal, or zero, above 2**126;
+    # in at least float32, so the factor is not rounded, then back to the leaf's own dtype.
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return jnp.divide(x.astype(wide), jnp.asarray(factor).astype(wide)).astype(x.dtype)
 
 
 def _check_finite_flag(grads_finite: Any) -> jax.Array:
@@ -98,8 +141,8 @@ def next_loss_scale(
 
     Finite gradients add one to ``counter``; when it reaches ``period`` the scale is multiplied
     by ``factor`` (unless that overflows float32) and the counter resets. Non-finite gradients
-    divide the scale by ``factor``, never below ``min_loss_scale``, and reset the counter. All
-    arguments may be traced: no value leaves the device.
+    divide the scale by ``factor``, never below ``min_loss_scale`` nor below the smallest normal
+    float32, and reset the counter. All arguments may be traced: no value leaves the device.
 
     >>> import autocast, jax.numpy as jnp
     >>> autocast.next_loss_scale(jnp.bool_(False), jnp.float32(1024.), jnp.int32(5),
@@ -110,7 +153,8 @@ def next_loss_scale(
     grow = counted >= period
     grown = loss_scale * factor
     grown = jnp.where(jnp.isfinite(grown), grown, loss_scale)
-    shrunk = jnp.maximum(loss_scale / factor, min_loss_scale)
+    floor = jnp.maximum(min_loss_scale, _FLOAT32_TINY)
+    shrunk = jnp.maximum(loss_scale / factor, floor)
     new_scale = jnp.where(grads_finite, jnp.where(grow, grown, loss_scale), shrunk)
     new_counter = jnp.where(grads_finite & ~grow, counted, jnp.zeros_like(counter))
     return LossScaleUpdate(new_scale.astype(loss_scale.dtype), new_counter.astype(counter.dtype))
@@ -119,10 +163,23 @@ def next_loss_scale(
 def _register(cls: type) -> type:
     """Registers a loss-scale class as a pytree whose leaves are all of its fields.
 
-    Unflattening bypasses ``__init__``: JAX rebuilds pytrees with tracers or placeholder
+    Unflattening bypasses the constructor: JAX rebuilds pytrees with tracers or placeholder
     objects as leaves, which the constructor's checks must never see.
     """
-    fields = cls._fields
+    if dataclasses.is_dataclass(cls):
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+
+        def unflatten(_: None, leaves: Any) -> Any:
+            obj = object.__new__(cls)
+            for f, leaf in zip(fields, leaves):
+                object.__setattr__(obj, f, leaf)
+            return obj
+
+    else:  # a NamedTuple
+        fields = cls._fields
+
+        def unflatten(_: None, leaves: Any) -> Any:
+            return tuple.__new__(cls, leaves)
 
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], None]:
         return [(jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in fields], None
@@ -130,50 +187,51 @@ def _register(cls: type) -> type:
     def flatten(obj: Any) -> tuple[list[Any], None]:
         return [getattr(obj, f) for f in fields], None
 
-    def unflatten(_: None, leaves: Any) -> Any:
-        obj = object.__new__(cls)
-        for f, leaf in zip(fields, leaves):
-            object.__setattr__(obj, f, leaf)
-        return obj
-
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
     return cls
 
 
-class _LossScaleBase:
-    """Shared behaviour: immutability, a readable repr, pickling and scaling by ``loss_scale``."""
+class LossScale(abc.ABC):
+    """The base type of every loss-scale object, ``jmp.LossScale``'s counterpart.
 
-    _fields: tuple[str, ...] = ()
+    ``NoOpLossScale``, ``StaticLossScale``, ``DynamicLossScale`` and ``DynamicScalerState`` are
+    all instances, so it serves in annotations and ``isinstance`` checks. A loss scale has a
+    float32 ``loss_scale`` and three methods: ``scale(tree)`` multiplies the floating-point
+    leaves of a tree (the loss, usually) by it, promoting 16-bit leaves to float32 so that the
+    scaled loss cannot overflow; ``unscale(tree)`` divides the floating-point leaves (the
+    gradients) by it and keeps each leaf's dtype; ``adjust(grads_finite)`` returns the next
+    state.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> ls = autocast.StaticLossScale(2.0**15)
+    >>> isinstance(ls, autocast.LossScale)
+    True
+    >>> ls.scale(jnp.float16(3.0))  # 98304 is beyond float16's range
+    Array(98304., dtype=float32)
+    >>> ls.unscale(jnp.float16(6144.0))  # gradients keep their dtype
+    Array(0.1875, dtype=float16)
+    """
+
+    __slots__ = ()
     loss_scale: jax.Array
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable; adjust() returns a new one")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self._fields}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for f in self._fields:
-            object.__setattr__(self, f, state[f])
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._fields)
-        return f"{type(self).__name__}({args})"
-
     def scale(self, tree: T) -> T:
-        """Multiplies the floating-point leaves of ``tree`` by the loss scale, keeping dtypes."""
-        return map_floating(lambda x: _scale_leaf(x, self.loss_scale), tree)
+        """Multiplies the floating-point leaves of ``tree`` by the loss scale; 16-bit leaves
+        come back in float32 (a scaled float16 loss of 2 at 2**15 would be inf)."""
+        return map_floating(lambda x: _widened_product(x, self.loss_scale), tree)
 
     def unscale(self, tree: T) -> T:
         """Divides the floating-point leaves of ``tree`` by the loss scale, keeping dtypes."""
-        return map_floating(lambda x: _scale_leaf(x, self.loss_scale, divide=True), tree)
+        return map_floating(lambda x: _unscale_leaf(x, self.loss_scale), tree)
+
+    @abc.abstractmethod
+    def adjust(self, grads_finite: jax.Array) -> LossScale:
+        """The next loss scale, given whether this step's gradients were all finite."""
 
 
 @_register
-class NoOpLossScale(_LossScaleBase):
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale(LossScale):
     """A loss scale that does nothing, for bfloat16 and float32 training.
 
     >>> import autocast, jax.numpy as jnp
@@ -182,10 +240,8 @@ class NoOpLossScale(_LossScaleBase):
     (Array(3., dtype=float32), True)
     """
 
-    _fields = ()
-
     @property
-    def loss_scale(self) -> jax.Array:  # type: ignore[override]
+    def loss_scale(self) -> jax.Array:
         """Always 1."""
         return jnp.ones((), jnp.float32)
 
@@ -204,21 +260,22 @@ class NoOpLossScale(_LossScaleBase):
 
 
 @_register
-class StaticLossScale(_LossScaleBase):
-    """Scales and unscales by a fixed positive factor.
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale(LossScale):
+    """Scales and unscales by a fixed positive factor, kept in float32.
 
     >>> import autocast, jax.numpy as jnp
     >>> ls = autocast.StaticLossScale(128.0)
     >>> ls.scale(jnp.float16(0.5))
-    Array(64., dtype=float16)
+    Array(64., dtype=float32)
     >>> ls.unscale(jnp.float16(64.0))
     Array(0.5, dtype=float16)
     """
 
-    _fields = ("loss_scale",)
+    loss_scale: jax.Array
 
-    def __init__(self, loss_scale: Any) -> None:
-        object.__setattr__(self, "loss_scale", _checked_scale(loss_scale, "loss_scale"))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss_scale", _checked_scale(self.loss_scale, "loss_scale"))
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         """Returns ``self``: a static scale never changes."""
@@ -227,50 +284,48 @@ class StaticLossScale(_LossScaleBase):
 
 
 @_register
-class DynamicLossScale(_LossScaleBase):
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale(LossScale):
     """A loss scale that grows while gradients stay finite and shrinks when they do not.
 
     Every ``period`` consecutive finite steps multiply the scale by ``factor``; a step with
-    non-finite gradients divides it by ``factor`` (never below ``min_loss_scale``) and restarts
-    the count. The scale is kept in float32 whatever dtype it is given in, and every field is a
+    non-finite gradients divides it by ``factor`` (never below ``min_loss_scale``, and never to
+    0: ``min_loss_scale=0`` means no floor but the smallest normal float32) and restarts the
+    count. The scale is kept in float32 whatever dtype it is given in, and every field is a
     pytree leaf, so the state passes through ``jax.jit``, ``pickle`` and checkpoints whole.
 
-    >>> import autocast, jax.numpy as jnp
+    >>> import autocast, dataclasses, jax.numpy as jnp
     >>> ls = autocast.DynamicLossScale(2.0**15, period=2)
-    >>> grads = ls.unscale(ls.scale({"w": jnp.ones(2, jnp.float16)}))
+    >>> grads = ls.unscale(jnp.ones(2, jnp.float16) * 2**10)
     >>> ls = ls.adjust(autocast.all_finite(grads)).adjust(jnp.bool_(True))
     >>> ls.loss_scale, ls.counter
     (Array(65536., dtype=float32), Array(0, dtype=int32))
     >>> ls.adjust(jnp.bool_(False)).loss_scale
     Array(32768., dtype=float32)
+    >>> dataclasses.replace(ls, loss_scale=4.0) == autocast.DynamicLossScale(4.0, period=2)
+    True
     """
 
-    _fields = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
-    counter: jax.Array
-    period: jax.Array
-    factor: jax.Array
-    min_loss_scale: jax.Array
+    loss_scale: jax.Array
+    counter: jax.Array = 0  # type: ignore[assignment]
+    period: jax.Array = 2000  # type: ignore[assignment]
+    factor: jax.Array = 2  # type: ignore[assignment]
+    min_loss_scale: jax.Array = 1.0  # type: ignore[assignment]
 
-    def __init__(
-        self,
-        loss_scale: Any,
-        counter: Any = 0,
-        period: Any = 2000,
-        factor: Any = 2,
-        min_loss_scale: Any = 1.0,
-    ) -> None:
-        loss_scale = _checked_scale(loss_scale, "loss_scale")
-        min_loss_scale = _checked_scale(min_loss_scale, "min_loss_scale")
-        factor = _checked_scale(factor, "factor")
-        period = _checked_count(period, "period", minimum=1)
-        counter = _checked_count(counter, "counter", minimum=0)
+    def __post_init__(self) -> None:
+        loss_scale = _checked_scale(self.loss_scale, "loss_scale")
+        min_loss_scale = _checked_scale(self.min_loss_scale, "min_loss_scale", allow_zero=True)
+        factor = _checked_scale(self.factor, "factor")
+        period = _checked_count(self.period, "period", minimum=1)
+        counter = _checked_count(self.counter, "counter", minimum=0)
         f, lo, hi = _concrete(factor), _concrete(min_loss_scale), _concrete(loss_scale)
         if f is not None and f <= 1:
             raise ValueError(f"factor must be greater than 1, got {f}")
         if lo is not None and hi is not None and hi < lo:
             raise ValueError(f"loss_scale ({hi}) is below min_loss_scale ({lo})")
-        for name, value in zip(self._fields, (loss_scale, counter, period, factor, min_loss_scale)):
-            object.__setattr__(self, name, value)
+        values = (loss_scale, counter, period, factor, min_loss_scale)
+        for field, value in zip(dataclasses.fields(self), values):
+            object.__setattr__(self, field.name, value)
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         """The next state, given whether this step's gradients were all finite.
@@ -290,24 +345,6 @@ class DynamicLossScale(_LossScaleBase):
             jax.tree_util.tree_structure(self),
             [update.loss_scale, update.counter, self.period, self.factor, self.min_loss_scale],
         )
-
-
-def _checked_count(value: Any, name: str, *, minimum: int) -> jax.Array:
-    if isinstance(value, (bool, np.bool_, float, str, bytes)) or (
-        hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.integer)
-    ):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    concrete = _concrete(value)
-    if concrete is not None:
-        if concrete.shape != ():
-            raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
-        if not np.issubdtype(concrete.dtype, np.integer):
-            raise TypeError(f"{name} must be an integer, got {value!r}")
-        if concrete < minimum:
-            raise ValueError(f"{name} must be at least {minimum}, got {concrete}")
-        if concrete > np.iinfo(np.int32).max:
-            raise ValueError(f"{name} must fit in int32, got {concrete}")
-    return jnp.asarray(value, dtype=jnp.int32)
 
 
 def all_finite(tree: Any) -> jax.Array:

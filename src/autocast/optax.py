@@ -17,10 +17,11 @@ import optax
 from jax import lax
 
 from autocast._tree import is_inexact_dtype
-from autocast.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite
-from autocast.scaler import DynamicScalerState
+from autocast.loss_scale import DynamicLossScale, LossScale, all_finite
 
-_LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale, DynamicScalerState)
+# Marks the update function of every transformation dynamic_loss_scaling builds, so that
+# wrapping one in another (which would unscale the gradients twice) is refused at once.
+_MARK = "_autocast_dynamic_loss_scaling"
 # apply_if_finite gives up skipping after this many consecutive bad steps; the loss scale
 # shrinks at every one of them, so it must never give up.
 _NEVER = int(jnp.iinfo(jnp.int32).max)
@@ -42,11 +43,13 @@ def dynamic_loss_scaling(
 ) -> optax.GradientTransformation:
     """Wraps ``inner`` so it takes gradients of the *scaled* loss and handles the scale.
 
-    ``loss_scale`` is the initial scale object (default ``DynamicLossScale(2**15)``); any of
-    ``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale`` or ``DynamicScalerState``.
-    Read the current one with :func:`loss_scale_of` to scale the loss. With ``axis_name``,
-    every device under ``pmap``/``shard_map`` takes the same skip decision and so keeps the
-    same scale.
+    ``loss_scale`` is the initial scale object (default ``DynamicLossScale(2**15)``); any
+    :class:`autocast.LossScale` (``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale``
+    or ``DynamicScalerState``). Read the current one with :func:`loss_scale_of` to scale the
+    loss. With ``axis_name``, every device under ``pmap``/``shard_map`` takes the same skip
+    decision and so keeps the same scale. Wrap an optimizer once: an ``inner`` that already
+    contains ``dynamic_loss_scaling`` (directly, or inside ``optax.chain``, found at ``init``)
+    raises ``TypeError``, since its gradients would be unscaled twice.
 
     >>> import autocast.optax, jax, jax.numpy as jnp, optax
     >>> tx = autocast.optax.dynamic_loss_scaling(optax.sgd(0.1))
@@ -62,17 +65,29 @@ def dynamic_loss_scaling(
         raise TypeError(
             f"dynamic_loss_scaling wraps an optax.GradientTransformation, got {type(inner).__name__}"
         )
+    if getattr(inner.update, _MARK, False):
+        raise TypeError(
+            "dynamic_loss_scaling was given an optimizer that is already wrapped in "
+            "dynamic_loss_scaling: the gradients would be unscaled twice; wrap it once"
+        )
     if loss_scale is None:
         loss_scale = DynamicLossScale(2.0**15)
-    if not isinstance(loss_scale, _LOSS_SCALES):
+    if not isinstance(loss_scale, LossScale):
         raise TypeError(
-            "loss_scale must be one of DynamicLossScale, StaticLossScale, NoOpLossScale or "
-            f"DynamicScalerState, got {type(loss_scale).__name__}"
+            "loss_scale must be an autocast.LossScale (DynamicLossScale, StaticLossScale, "
+            f"NoOpLossScale or DynamicScalerState), got {type(loss_scale).__name__}"
         )
     skipping = optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
 
     def init(params: Any) -> LossScalingState:
-        return LossScalingState(loss_scale, skipping.init(params))
+        inner_state = skipping.init(params)
+        if _states_in(inner_state):
+            raise TypeError(
+                "dynamic_loss_scaling was given an optimizer that already contains "
+                "dynamic_loss_scaling (e.g. inside optax.chain): the gradients would be "
+                "unscaled twice; use it once, as the outermost wrapper"
+            )
+        return LossScalingState(loss_scale, inner_state)
 
     def update(grads: Any, state: LossScalingState, params: Any = None) -> tuple[Any, LossScalingState]:
         grads = state.loss_scale.unscale(grads)
@@ -93,15 +108,20 @@ def dynamic_loss_scaling(
         )
         return updates, LossScalingState(state.loss_scale.adjust(finite), inner_state)
 
+    setattr(update, _MARK, True)
     return optax.GradientTransformation(init, update)
 
 
-def _find(state: Any) -> LossScalingState:
-    found = [
+def _states_in(state: Any) -> list[LossScalingState]:
+    return [
         s
         for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, LossScalingState))
         if isinstance(s, LossScalingState)
     ]
+
+
+def _find(state: Any) -> LossScalingState:
+    found = _states_in(state)
     if len(found) != 1:
         raise ValueError(
             "expected an optimizer state containing exactly one dynamic_loss_scaling state, "

@@ -19,14 +19,14 @@ from autocast._tree import map_floating
 
 T = TypeVar("T")
 
-# Every spelling parse_dtype understands, and the canonical short name str(Policy) prints.
+# Every fixed spelling parse_dtype understands ("half" is not fixed: it means half_dtype(), as
+# in jmp), and the canonical short name str(Policy) prints.
 _DTYPE_ALIASES: dict[str, np.dtype] = {
     "f32": np.dtype(jnp.float32),
     "float32": np.dtype(jnp.float32),
     "full": np.dtype(jnp.float32),
     "f16": np.dtype(jnp.float16),
     "float16": np.dtype(jnp.float16),
-    "half": np.dtype(jnp.float16),
     "bf16": np.dtype(jnp.bfloat16),
     "bfloat16": np.dtype(jnp.bfloat16),
     "f64": np.dtype(jnp.float64),
@@ -50,7 +50,7 @@ _SHORT_KEYS = {"param_dtype": "p", "compute_dtype": "c", "output_dtype": "o"}
 
 
 def _accepted_dtype_names() -> str:
-    return ", ".join(_DTYPE_ALIASES)
+    return ", ".join([*_DTYPE_ALIASES, "half"])
 
 
 def canonicalize_float_dtype(dtype: Any, *, what: str = "dtype") -> np.dtype:
@@ -77,16 +77,19 @@ def canonicalize_float_dtype(dtype: Any, *, what: str = "dtype") -> np.dtype:
 def parse_dtype(value: str) -> np.dtype:
     """Parses a dtype name such as ``"bf16"``, ``"float32"`` or ``"half"`` into a NumPy dtype.
 
-    Accepted names: ``f32``/``float32``/``full``, ``f16``/``float16``/``half``,
-    ``bf16``/``bfloat16`` and ``f64``/``float64``, plus the NumPy name of any other floating
-    dtype (``"float8_e4m3fn"``). Case and surrounding whitespace are ignored. Note that
-    ``"half"`` is IEEE float16; :func:`half_dtype` is the backend's preferred 16-bit type.
+    Accepted names: ``f32``/``float32``/``full``, ``f16``/``float16``,
+    ``bf16``/``bfloat16``, ``f64``/``float64`` and ``half``, plus the NumPy name of any
+    other floating dtype (``"float8_e4m3fn"``). Case and surrounding whitespace are ignored.
+    As in ``jmp``, ``"half"`` means :func:`half_dtype`, the backend's preferred 16-bit type
+    (bfloat16 on CPU and TPU), not necessarily IEEE float16.
 
     >>> import autocast
     >>> autocast.parse_dtype("bf16")
     dtype(bfloat16)
     >>> autocast.parse_dtype(" Float32 ")
     dtype('float32')
+    >>> autocast.parse_dtype("half") == autocast.half_dtype()
+    True
     """
     if not isinstance(value, str):
         raise TypeError(f"parse_dtype expects a string such as 'bf16', got {type(value).__name__}")
@@ -95,11 +98,14 @@ def parse_dtype(value: str) -> np.dtype:
         raise ValueError(f"empty dtype name; accepted names: {_accepted_dtype_names()}")
     if name in _DTYPE_ALIASES:
         return _DTYPE_ALIASES[name]
+    if name == "half":
+        return half_dtype()
     try:
         dtype = np.dtype(jnp.dtype(name))
     except TypeError:
+        # Capitalised as jmp writes it: code that matches on jmp's message keeps working.
         raise ValueError(
-            f"unknown dtype {value!r}; accepted names: {_accepted_dtype_names()} "
+            f"Unknown dtype {value!r}; accepted names: {_accepted_dtype_names()} "
             "(or the NumPy name of another floating dtype)"
         ) from None
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -223,16 +229,20 @@ class Policy:
 def get_policy(policy_name: str | Policy) -> Policy:
     """Reads a policy from its short string form, ``jmp``'s loose grammar.
 
-    Comma-separated ``key=value`` pairs. Keys: ``p``/``params``, ``c``/``compute``,
-    ``o``/``output``. Values: any name :func:`parse_dtype` accepts. Unnamed fields default as
-    in ``jmp``: params to float32, compute to the params dtype, output to the compute dtype.
-    Case and whitespace are ignored. A :class:`Policy` is returned unchanged.
+    Either one dtype name, which sets all three dtypes (``"bfloat16"`` means
+    ``p=bf16,c=bf16,o=bf16``), or comma-separated ``key=value`` pairs. Keys: ``p``/``params``,
+    ``c``/``compute``, ``o``/``output``. Values: any name :func:`parse_dtype` accepts
+    (``half`` is :func:`half_dtype`). Unnamed fields default as in ``jmp``: params to float32,
+    compute to the params dtype, output to the compute dtype. Case and whitespace are ignored.
+    A :class:`Policy` is returned unchanged.
 
     >>> import autocast
     >>> str(autocast.get_policy("c=f16"))
     'p=f32,c=f16,o=f16'
     >>> str(autocast.get_policy("params=float32, compute=bfloat16, output=float32"))
     'p=f32,c=bf16,o=f32'
+    >>> str(autocast.get_policy("bfloat16"))
+    'p=bf16,c=bf16,o=bf16'
     """
     if isinstance(policy_name, Policy):
         return policy_name
@@ -244,6 +254,16 @@ def get_policy(policy_name: str | Policy) -> Policy:
     if not policy_name.strip():
         raise ValueError("empty policy string; expected pairs such as 'p=f32,c=bf16,o=f32'")
     accepted_keys = ", ".join(_POLICY_KEYS)
+    bare = policy_name.strip()
+    if "=" not in bare and "," not in bare and bare.lower() not in _POLICY_KEYS:
+        try:
+            dtype = parse_dtype(bare)
+        except ValueError as e:
+            raise ValueError(
+                f"{e}. A policy is one dtype name (for all three dtypes) or key=dtype pairs "
+                f"such as 'p=f32,c=bf16,o=f32' with keys among {accepted_keys}"
+            ) from None
+        return Policy(dtype, dtype, dtype)
     chosen: dict[str, np.dtype] = {}
     for part in policy_name.split(","):
         key, sep, value = part.partition("=")

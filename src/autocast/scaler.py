@@ -2,8 +2,10 @@
 
 ``dynamic_scale_value_and_grad(fun)`` multiplies ``fun``'s value by the current scale before
 differentiating, divides the gradients by it afterwards, checks them for inf and NaN, and
-moves the scale with the one rule of :func:`autocast.next_loss_scale`. It never looks inside
-``fun`` and never leaves the device: the decision to skip, retry and adjust is data.
+moves the scale with the one rule of :func:`autocast.next_loss_scale`. ``dynamic_scale_tx``
+does the same around any gradient transformation (``jax.grad``, ``eqx.filter_grad``...). It
+never looks inside ``fun`` and never leaves the device: the decision to skip, retry and adjust
+is data.
 """
 
 from __future__ import annotations
@@ -17,31 +19,49 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from autocast._tree import is_array, is_inexact_array
+from autocast._tree import is_array, is_inexact_array, is_inexact_dtype
 from autocast.loss_scale import (
-    _LossScaleBase,
+    _FLOAT32_TINY,
+    LossScale,
     _check_finite_flag,
     _checked_count,
     _checked_scale,
     _concrete,
     _register,
+    _widened_product,
     all_finite,
     next_loss_scale,
 )
 
-# DynamicScalerState has no floor of its own; the smallest normal float32 keeps it off zero.
-_FLOOR = np.float32(np.finfo(np.float32).tiny)
+# The keyword that carries the state into the function handed to a gradient transformation;
+# jaxamp's name, so a transformation written for jaxamp sees what it expects.
+_STATE_KEYWORD = "_dynamic_scaler_state"
+
+
+class _ScalerStateFields(NamedTuple):
+    patience: Any = 2000
+    adjust_factor: Any = 2.0
+    scaler: Any = 2.0**15
+    count: Any = 0
+    total_resets: Any = 0
+
+
+def _state_from_leaves(cls: type, values: tuple) -> Any:
+    """Rebuilds a state without the constructor's checks (pickle may hold any leaves)."""
+    return tuple.__new__(cls, values)
 
 
 @_register
-class DynamicScalerState(_LossScaleBase):
-    """The state of dynamic loss scaling, as ``jaxamp`` names it; a pytree of arrays.
+class DynamicScalerState(_ScalerStateFields, LossScale):
+    """The state of dynamic loss scaling, as ``jaxamp`` names it: a NamedTuple and a pytree.
 
     After a step whose gradients are finite, ``count`` goes up by one, unless it had already
     reached ``patience``: then ``scaler`` is multiplied by ``adjust_factor`` and ``count``
     restarts. After a step with inf or NaN gradients ``scaler`` is divided by
     ``adjust_factor``, ``count`` restarts and ``total_resets`` goes up by one. The scaler is
-    float32 and never becomes 0 or inf.
+    float32 and never becomes 0 or inf. As in ``jaxamp`` it is a ``NamedTuple`` (unpacking,
+    ``_replace``, ``_asdict``); the constructor and ``_replace`` check and convert every field
+    (int32 counts, float32 factor and scaler).
 
     >>> import autocast, jax.numpy as jnp
     >>> state = autocast.DynamicScalerState(patience=1, scaler=8.0)
@@ -50,65 +70,72 @@ class DynamicScalerState(_LossScaleBase):
     (Array(16., dtype=float32), Array(0, dtype=int32))
     >>> state.adjust(jnp.bool_(False)).total_resets
     Array(1, dtype=int32)
+    >>> float(state._replace(scaler=4.0).scaler)
+    4.0
     """
 
-    _fields = ("patience", "adjust_factor", "scaler", "count", "total_resets")
-    patience: jax.Array
-    adjust_factor: jax.Array
-    scaler: jax.Array
-    count: jax.Array
-    total_resets: jax.Array
+    __slots__ = ()
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         patience: Any = 2000,
         adjust_factor: Any = 2.0,
         scaler: Any = 2.0**15,
         count: Any = 0,
         total_resets: Any = 0,
-    ) -> None:
-        if hasattr(scaler, "dtype") and not jnp.issubdtype(scaler.dtype, jnp.floating):
-            raise TypeError(
-                f"scaler must be a float (a Python number or a floating array), got {scaler.dtype}"
-            )
-        values = {
-            "patience": _checked_count(patience, "patience", minimum=1),
-            "adjust_factor": _checked_scale(adjust_factor, "adjust_factor"),
-            "scaler": _checked_scale(scaler, "scaler"),
-            "count": _checked_count(count, "count", minimum=0),
-            "total_resets": _checked_count(total_resets, "total_resets", minimum=0),
-        }
-        factor = _concrete(values["adjust_factor"])
+    ) -> DynamicScalerState:
+        adjust_factor = _checked_scale(adjust_factor, "adjust_factor")
+        factor = _concrete(adjust_factor)
         if factor is not None and factor <= 1:
             raise ValueError(f"adjust_factor must be greater than 1, got {factor}")
-        for name in self._fields:
-            object.__setattr__(self, name, values[name])
+        values = (
+            _checked_count(patience, "patience", minimum=1),
+            adjust_factor,
+            _checked_scale(scaler, "scaler"),
+            _checked_count(count, "count", minimum=0),
+            _checked_count(total_resets, "total_resets", minimum=0),
+        )
+        return tuple.__new__(cls, values)
+
+    def _replace(self, **changes: Any) -> DynamicScalerState:
+        """A copy with some fields changed, checked and converted like the constructor's."""
+        unknown = sorted(set(changes) - set(self._fields))
+        if unknown:
+            raise ValueError(
+                f"DynamicScalerState has no field(s) {unknown}; fields: {', '.join(self._fields)}"
+            )
+        return type(self)(**{**self._asdict(), **changes})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _state_from_leaves, (type(self), tuple(self))
 
     @property
     def loss_scale(self) -> jax.Array:  # type: ignore[override]
         """The current scale (``scaler``), under the name the other loss scales use."""
-        return self.scaler
+        return self.scaler  # type: ignore[no-any-return]
 
     def adjust(self, grads_finite: jax.Array) -> DynamicScalerState:
         """The next state, given whether this step's gradients were all finite."""
         finite = _check_finite_flag(grads_finite)
+        # Fields rebuilt by _make or a pytree map may arrive as plain numbers.
+        scaler = jnp.asarray(self.scaler, jnp.float32)
+        count = jnp.asarray(self.count, jnp.int32)
+        resets = jnp.asarray(self.total_resets, jnp.int32)
         # jaxamp grows once `count` has reached `patience` before this step: in the shared
-        # rule's terms, after `patience + 1` consecutive finite steps.
+        # rule's terms, after `patience + 1` consecutive finite steps. It has no floor of its
+        # own; the rule's smallest-normal-float32 floor keeps it off zero.
         update = next_loss_scale(
-            finite, self.scaler, self.count, self.patience + 1, self.adjust_factor, _FLOOR
+            finite, scaler, count, self.patience + 1, self.adjust_factor, _FLOAT32_TINY
         )
-        resets = self.total_resets + (~finite).astype(self.total_resets.dtype)
-        return jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(self),
-            [self.patience, self.adjust_factor, update.loss_scale, update.counter, resets],
+        return self._make(
+            (
+                self.patience,
+                self.adjust_factor,
+                update.loss_scale,
+                update.counter,
+                resets + (~finite).astype(jnp.int32),
+            )
         )
-
-
-class _Attempt(NamedTuple):
-    value: Any
-    aux: Any
-    grads: Any
-    finite: jax.Array
 
 
 def _filtered_value_and_grad(
@@ -139,18 +166,21 @@ def _filtered_value_and_grad(
     return run
 
 
-def _check_options(fun: Any, redo_on_nan: Any) -> None:
+
+def _check_options(fun: Any, redo_on_nan: Any, name: str = "fun") -> None:
     if not callable(fun):
-        raise TypeError(f"expected a function to differentiate, got {type(fun).__name__}")
+        raise TypeError(f"expected a function to differentiate as {name}, got {type(fun).__name__}")
     if isinstance(redo_on_nan, bool) or not isinstance(redo_on_nan, (int, np.integer)):
         raise TypeError(f"redo_on_nan must be a non-negative int, got {redo_on_nan!r}")
     if redo_on_nan < 0:
         raise ValueError(f"redo_on_nan must be a non-negative int, got {redo_on_nan}")
 
 
-def _with_state_keyword(wrapped: Callable[..., Any], fun: Callable[..., Any]) -> Callable[..., Any]:
+def _with_keyword(
+    wrapped: Callable[..., Any], fun: Callable[..., Any], keyword: str
+) -> Callable[..., Any]:
     """Names and documents ``wrapped`` after ``fun``, with a signature that also shows the
-    ``dynamic_scaler_state`` keyword (tools such as ``eqx.filter_jit`` bind arguments by it)."""
+    extra ``keyword`` (tools such as ``eqx.filter_jit`` bind arguments by signature)."""
     functools.update_wrapper(wrapped, fun)
     del wrapped.__wrapped__
     try:
@@ -158,7 +188,7 @@ def _with_state_keyword(wrapped: Callable[..., Any], fun: Callable[..., Any]) ->
     except (TypeError, ValueError):  # a builtin or C function: leave the signature alone
         return wrapped
     params = list(sig.parameters.values())
-    state = inspect.Parameter("dynamic_scaler_state", inspect.Parameter.KEYWORD_ONLY)
+    state = inspect.Parameter(keyword, inspect.Parameter.KEYWORD_ONLY)
     at = next((i for i, p in enumerate(params) if p.kind == p.VAR_KEYWORD), len(params))
     params.insert(at, state)
     try:
@@ -174,10 +204,10 @@ def _check_state(state: Any, name: str) -> None:
             f"{name} needs the keyword argument dynamic_scaler_state, "
             "e.g. dynamic_scaler_state=autocast.DynamicScalerState()"
         )
-    if not (hasattr(state, "loss_scale") and hasattr(state, "adjust") and hasattr(state, "unscale")):
+    if not all(hasattr(state, name) for name in ("loss_scale", "adjust", "unscale")):
         raise TypeError(
-            "dynamic_scaler_state must be an autocast.DynamicScalerState (or another autocast "
-            f"loss scale), got {type(state).__name__}"
+            "dynamic_scaler_state must be an autocast.DynamicScalerState (or another "
+            f"autocast.LossScale), got {type(state).__name__}"
         )
 
 
@@ -188,34 +218,195 @@ def _split_static(tree: Any) -> tuple[list, Any, list]:
     return dynamic, treedef, static
 
 
+def _with_retries(
+    attempt: Callable[[Any], tuple[Any, jax.Array]], state: Any, redo_on_nan: int
+) -> tuple[Any, Any]:
+    """Runs ``attempt(state) -> (results, finite)``, adjusts the state, and while the results
+    are not finite retries with the adjusted (smaller) scale, up to ``redo_on_nan`` times,
+    inside the compiled program."""
+    results, finite = attempt(state)
+    state = state.adjust(finite)
+    if not redo_on_nan:
+        return state, results
+    # The loop carries arrays only: non-array leaves of the results are the same every try.
+    dynamic, treedef, static = _split_static(results)
+
+    def again(carry: tuple) -> Any:
+        _, tries, finite, _ = carry
+        return (~finite) & (tries < redo_on_nan)
+
+    def retry(carry: tuple) -> tuple:
+        state, tries, _, _ = carry
+        now, finite = attempt(state)
+        return state.adjust(finite), tries + 1, finite, _split_static(now)[0]
+
+    state, _, _, dynamic = lax.while_loop(again, retry, (state, jnp.int32(0), finite, dynamic))
+    results = jax.tree_util.tree_unflatten(
+        treedef, [s if d is None else d for d, s in zip(dynamic, static)]
+    )
+    return state, results
+
+
+def _scaled_transform(
+    transform: Callable[..., Any],
+    fun: Callable[..., Any],
+    *,
+    scale_fn: Callable[[Any, Any], Any],
+    unscale_fn: Callable[[Any, Any], Any],
+    finite_fn: Callable[[Any], Any],
+    redo_on_nan: int,
+    axis_name: Any,
+    name: str,
+) -> Callable[..., Any]:
+    """The one scaling core behind every face of this module.
+
+    ``transform`` receives a version of ``fun`` whose output is scaled by ``scale_fn`` and which
+    takes the state as the extra keyword ``_dynamic_scaler_state`` (passed as an argument,
+    not closed over, so a transformation that compiles is not retraced for every state).
+    """
+
+    def scaled_fun(*args: Any, **kwargs: Any) -> Any:
+        state = kwargs.pop(_STATE_KEYWORD)
+        return scale_fn(fun(*args, **kwargs), state)
+
+    transformed = transform(_with_keyword(scaled_fun, fun, _STATE_KEYWORD))
+
+    def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
+        _check_state(dynamic_scaler_state, name)
+
+        def attempt(state: Any) -> tuple[Any, jax.Array]:
+            results = unscale_fn(transformed(*args, **{_STATE_KEYWORD: state}, **kwargs), state)
+            finite = _check_finite_flag(finite_fn(results))
+            if axis_name is not None:
+                finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+            return results, finite
+
+        return _with_retries(attempt, dynamic_scaler_state, redo_on_nan)
+
+    return _with_keyword(wrapped, fun, "dynamic_scaler_state")
+
+
+def _scale_loss(value: Any, state: Any) -> Any:
+    """The loss times the scale, widened to at least float32 so that it cannot overflow.
+
+    Anything but a floating (or complex) scalar goes back unchanged, so that the gradient
+    transformation raises its own error: ``jax.grad`` refuses integer and boolean outputs
+    with a ``TypeError``, and treats a Python float as it always does.
+    """
+    if is_array(value) or isinstance(value, (bool, int, float, complex)):
+        value = jnp.asarray(value)
+        if is_inexact_dtype(value.dtype):
+            return _widened_product(value, state.loss_scale)
+    return value
+
+
+def _describe(value: Any) -> str:
+    if is_array(value):  # a tracer's type name would only confuse
+        return f"an array of dtype {value.dtype} and shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _default_scale_fn(result: Any, state: Any) -> Any:
+    if is_array(result) or isinstance(result, (bool, int, float, complex)):
+        return _scale_loss(result, state)
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        value, aux = result
+        return _scale_loss(value, state), aux
+    raise TypeError(
+        "dynamic_scale_tx's default scale_fn expects the function to return a scalar loss or "
+        f"a (loss, aux) pair, got {_describe(result)}; pass scale_fn= for other outputs"
+    )
+
+
+def _default_unscale_fn(results: Any, state: Any) -> Any:
+    return state.unscale(results)
+
+
+def dynamic_scale_tx(
+    transform: Callable[..., Any],
+    redo_on_nan: int = 0,
+    unscale_fn: Callable[[Any, Any], Any] | None = None,
+    scale_fn: Callable[[Any, Any], Any] | None = None,
+    *,
+    axis_name: Any = None,
+) -> Callable[..., Callable[..., Any]]:
+    """Adds dynamic loss scaling to any gradient transformation, ``jaxamp``'s signature.
+
+    ``dynamic_scale_tx(transform)(fun, *args, **kwargs)`` is ``transform(fun, *args,
+    **kwargs)`` (``jax.grad``, ``jax.value_and_grad``, ``eqx.filter_grad``...) with loss
+    scaling: the returned function takes the extra keyword ``dynamic_scaler_state`` and returns
+    ``(new_state, results)``. ``scale_fn(output, state)`` scales ``fun``'s output before the
+    transformation sees it (default: a scalar loss, or the first element of a ``(loss, aux)``
+    pair, multiplied by the scale in at least float32). ``unscale_fn(results, state)`` undoes
+    it on what the transformation returns (default: every floating-point leaf divided by the
+    scale, dtypes kept; with ``has_aux`` that includes the aux, so pass your own, or use
+    :func:`dynamic_scale_grad`). The state moves on whether all the unscaled results are
+    finite; ``redo_on_nan=k`` retries up to ``k`` times with smaller scales inside the
+    compiled program; ``axis_name`` makes every device take the same decision.
+
+    >>> import autocast, jax, jax.numpy as jnp
+    >>> grad_fn = autocast.dynamic_scale_tx(jax.grad, redo_on_nan=5)(lambda x: x**3)
+    >>> state, g = grad_fn(jnp.float16(2.0), dynamic_scaler_state=autocast.DynamicScalerState())
+    >>> g, state.scaler  # 12 * 2**15 overflows float16: retried at 2**12
+    (Array(12., dtype=float16), Array(4096., dtype=float32))
+    """
+    if not callable(transform):
+        raise TypeError(
+            "dynamic_scale_tx wraps a gradient transformation such as jax.grad, got "
+            f"{type(transform).__name__}"
+        )
+    _check_options(transform, redo_on_nan, "transform")
+    for name, given in (("unscale_fn", unscale_fn), ("scale_fn", scale_fn)):
+        if given is not None and not callable(given):
+            raise TypeError(f"{name} must be a function (results, state) -> results, got {given!r}")
+    do_scale = _default_scale_fn if scale_fn is None else scale_fn
+    do_unscale = _default_unscale_fn if unscale_fn is None else unscale_fn
+
+    def scaled_transform(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        _check_options(fun, redo_on_nan)
+        return _scaled_transform(
+            lambda f: transform(f, *args, **kwargs),
+            fun,
+            scale_fn=do_scale,
+            unscale_fn=do_unscale,
+            finite_fn=all_finite,
+            redo_on_nan=redo_on_nan,
+            axis_name=axis_name,
+            name="the function returned by dynamic_scale_tx",
+        )
+
+    return scaled_transform
+
+
 def dynamic_scale_value_and_grad(
     fun: Callable[..., Any],
     *,
     has_aux: bool = False,
-    redo_on_nan: int = 0,
+    redo_on_nan: int = 10,
     filter: bool = True,  # noqa: A002 - jaxamp's name
     axis_name: Any = None,
     **grad_kwargs: Any,
 ) -> Callable[..., Any]:
-    """``jax.value_and_grad`` with dynamic loss scaling, ``jaxamp``'s signature.
+    """``jax.value_and_grad`` with dynamic loss scaling, ``jaxamp``'s signature and defaults.
 
     The returned function takes ``fun``'s arguments plus the keyword
     ``dynamic_scaler_state`` and returns ``(new_state, (value, grads))``, or
     ``(new_state, ((value, aux), grads))`` with ``has_aux``; value and gradients are unscaled
-    and in the primal dtypes. Gradients with inf or NaN come back as they are, and the new
-    state has a smaller scale: skip the update (``autocast.select_tree``,
-    ``optax.apply_if_finite``) or let ``redo_on_nan=k`` retry up to ``k`` times with smaller
-    scales inside the compiled program. ``filter=True`` differentiates only the
-    floating-point array leaves of the differentiated arguments (``None`` gradients for the
-    rest), so Equinox modules and pytrees with strings or ints work. ``axis_name`` makes every
-    device under ``pmap``/``shard_map`` take the same decision. Other keywords (``argnums``
-    ...) go to ``jax.value_and_grad``.
+    and in the primal dtypes. When the gradients have inf or NaN the scale shrinks and the step
+    is retried, up to ``redo_on_nan`` times (10 by default, as in ``jaxamp``), inside the
+    compiled program; if they are still not finite they come back as they are: skip the update
+    (``autocast.select_tree``, ``optax.apply_if_finite``). ``filter=True`` differentiates
+    only the floating-point array leaves of the differentiated arguments (``None`` gradients
+    for the rest), so Equinox modules and pytrees with strings or ints work. ``axis_name``
+    makes every device under ``pmap``/``shard_map`` take the same decision. Other keywords
+    (``argnums``...) go to ``jax.value_and_grad``. A loss that is not a floating-point scalar
+    raises ``jax.value_and_grad``'s own ``TypeError``.
 
     A float16 loss whose gradient overflows at the initial scale, retried once at half of it:
 
     >>> import autocast, jax.numpy as jnp
     >>> loss = lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
-    >>> grad_fn = autocast.dynamic_scale_value_and_grad(loss, redo_on_nan=1)
+    >>> grad_fn = autocast.dynamic_scale_value_and_grad(loss)
     >>> state, (value, grads) = grad_fn(jnp.ones(2), dynamic_scaler_state=autocast.DynamicScalerState())
     >>> value, grads, state.scaler, state.total_resets
     (Array(2., dtype=float32), Array([2., 2.], dtype=float32), Array(16384., dtype=float32), Array(1, dtype=int32))
@@ -223,54 +414,42 @@ def dynamic_scale_value_and_grad(
     _check_options(fun, redo_on_nan)
     argnums = grad_kwargs.pop("argnums", 0)
 
-    def scaled(*args: Any, __scale: Any, **kwargs: Any) -> Any:
-        out = fun(*args, **kwargs)
+    def scale(out: Any, state: Any) -> Any:
+        if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                "with has_aux=True the function must return a (loss, aux) pair, got "
+                f"{_describe(out)}"
+            )
         value, aux = out if has_aux else (out, None)
-        wide = jnp.promote_types(jnp.result_type(value), jnp.float32)
-        return (value.astype(wide) * __scale.astype(wide)).astype(wide), (value, aux)
+        return _scale_loss(value, state), (value, aux)
 
-    if filter:
-        value_and_grad = _filtered_value_and_grad(scaled, argnums, True, **grad_kwargs)
-    else:
-        value_and_grad = jax.value_and_grad(scaled, argnums=argnums, has_aux=True, **grad_kwargs)
+    def unscale(results: Any, state: Any) -> Any:
+        (_, value_and_aux), grads = results
+        return value_and_aux, state.unscale(grads)
 
-    def attempt(state: Any, args: tuple, kwargs: dict) -> _Attempt:
-        (_, (value, aux)), grads = value_and_grad(*args, __scale=state.loss_scale, **kwargs)
-        grads = state.unscale(grads)
-        finite = all_finite(grads)
-        if axis_name is not None:
-            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-        return _Attempt(value, aux, grads, finite)
+    def transform(f: Callable[..., Any]) -> Callable[..., Any]:
+        if filter:
+            return _filtered_value_and_grad(f, argnums, True, **grad_kwargs)
+        return jax.value_and_grad(f, argnums=argnums, has_aux=True, **grad_kwargs)
+
+    core = _scaled_transform(
+        transform,
+        fun,
+        scale_fn=scale,
+        unscale_fn=unscale,
+        finite_fn=lambda results: all_finite(results[1]),
+        redo_on_nan=redo_on_nan,
+        axis_name=axis_name,
+        name="dynamic_scale_value_and_grad",
+    )
 
     def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
-        _check_state(dynamic_scaler_state, "dynamic_scale_value_and_grad")
-        first = attempt(dynamic_scaler_state, args, kwargs)
-        state = dynamic_scaler_state.adjust(first.finite)
-        result = first
-        if redo_on_nan:
-            # The loop carries arrays only: non-array leaves of aux are the same every try.
-            dynamic, treedef, static = _split_static(first)
+        state, ((value, aux), grads) = core(
+            *args, dynamic_scaler_state=dynamic_scaler_state, **kwargs
+        )
+        return state, (((value, aux) if has_aux else value), grads)
 
-            def rebuild(dyn: list) -> _Attempt:
-                return jax.tree_util.tree_unflatten(
-                    treedef, [s if d is None else d for d, s in zip(dyn, static)]
-                )
-
-            def again(carry: tuple) -> Any:
-                state, tries, dyn = carry
-                return (~rebuild(dyn).finite) & (tries < redo_on_nan)
-
-            def retry(carry: tuple) -> tuple:
-                state, tries, _ = carry
-                now = attempt(state, args, kwargs)
-                return state.adjust(now.finite), tries + 1, _split_static(now)[0]
-
-            state, _, dynamic = lax.while_loop(again, retry, (state, jnp.int32(0), dynamic))
-            result = rebuild(dynamic)
-        value = (result.value, result.aux) if has_aux else result.value
-        return state, (value, result.grads)
-
-    return _with_state_keyword(wrapped, fun)
+    return _with_keyword(wrapped, fun, "dynamic_scaler_state")
 
 
 def dynamic_scale_grad(
@@ -283,7 +462,8 @@ def dynamic_scale_grad(
     **grad_kwargs: Any,
 ) -> Callable[..., Any]:
     """``jax.grad`` with dynamic loss scaling: returns ``(new_state, grads)``, or
-    ``(new_state, (grads, aux))`` with ``has_aux``. See :func:`dynamic_scale_value_and_grad`.
+    ``(new_state, (grads, aux))`` with ``has_aux``. As in ``jaxamp``, ``redo_on_nan``
+    defaults to 0 here (no retry). See :func:`dynamic_scale_value_and_grad`.
 
     >>> import autocast, jax.numpy as jnp
     >>> grad_fn = autocast.dynamic_scale_grad(lambda w: jnp.sum(w ** 2), has_aux=False)
@@ -298,7 +478,9 @@ def dynamic_scale_grad(
 
     def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
         _check_state(dynamic_scaler_state, "dynamic_scale_grad")
-        state, (value, grads) = value_and_grad(*args, dynamic_scaler_state=dynamic_scaler_state, **kwargs)
+        state, (value, grads) = value_and_grad(
+            *args, dynamic_scaler_state=dynamic_scaler_state, **kwargs
+        )
         return state, ((grads, value[1]) if has_aux else grads)
 
-    return _with_state_keyword(wrapped, fun)
+    return _with_keyword(wrapped, fun, "dynamic_scaler_state")
