@@ -4,7 +4,8 @@ For float32, the same model cast to bfloat16 by hand, and amp with bfloat16 comp
 MLP and the GPT-style model (unrolled and scanned, with and without checkpoints): loss,
 16-bit share of matmul FLOPs forward and backward, casts, activation memory and its ratios;
 then the trace-overhead ratio of ``jit(amp(f)).lower`` over ``jit(f).lower``; and, when a
-GPU is present, step time and peak memory as ratios to float32. Prints tables and writes all
+GPU is present, step time and peak memory as ratios to float32; and amp on third-party code
+(custom rules with closures, diffrax, optimistix, lineax, a Pallas kernel) against float32. Prints tables and writes all
 figures to ``--json`` (default ``benchmarks/results.json``).
 """
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 
 import mixed_precision  # noqa: E402
+import third_party  # noqa: E402
 import trace_overhead  # noqa: E402
 
 import autocast  # noqa: E402
@@ -80,6 +82,9 @@ def main() -> None:
     base, mixed = trace_overhead.best_of_interleaved(plain, amped, (params, tokens), args.repeats)
     results["trace_overhead"] = {"plain_ms": 1e3 * base, "amp_ms": 1e3 * mixed, "ratio": mixed / base}
     print(f"{1e3 * base:.1f} ms -> {1e3 * mixed:.1f} ms: {mixed / base:.2f}x")
+
+    print("\n== third-party code: error vs float32, bfloat16 compute ==")
+    results["third_party"] = third_party.main()
 
     if jax.default_backend() == "gpu":
         print("\n== GPU: gradient step time and peak memory ==")

@@ -1,0 +1,166 @@
+"""amp on code it did not write: forward and gradient error against float32, per case.
+
+Run: ``.venv/bin/python benchmarks/third_party.py`` (also part of ``make bench``).
+Each case runs in float32 and under ``amp(compute_dtype=bfloat16)``; the gradient is taken
+both ways round, ``grad(amp(f))`` and ``amp(grad(f))``. Errors are relative L2 norms over
+all gradient leaves; "ok" means it ran and returned gradients in the primal dtypes, anything
+else is the error it raised. Needs the test extra (diffrax, optimistix, lineax).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import autocast
+
+BF16 = jnp.bfloat16
+KEYS = jax.random.split(jax.random.key(7), 8)
+W = jax.random.normal(KEYS[0], (16, 8)) / 4
+X = jax.random.normal(KEYS[1], (4, 16))
+
+
+def _rel(got: Any, want: Any) -> float:
+    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    num = sum(float(jnp.sum((jnp.asarray(g, jnp.float32) - w) ** 2)) for g, w in zip(got, want))
+    den = sum(float(jnp.sum(jnp.asarray(w, jnp.float32) ** 2)) for w in want)
+    return (num / den) ** 0.5
+
+
+def custom_gradient(x: Any, w: Any) -> Any:
+    w2 = w * 1.5
+
+    @jax.custom_gradient
+    def project(x: Any) -> Any:
+        return x @ w2, lambda g: (g @ w2.T,)
+
+    return jnp.sum(jnp.tanh(project(x)) ** 2)
+
+
+def closure_custom_vjp(x: Any, w: Any) -> Any:
+    @jax.custom_vjp
+    def layer(x: Any) -> Any:
+        return jnp.tanh(x @ w)
+
+    layer.defvjp(
+        lambda x: (jnp.tanh(x @ w), jnp.tanh(x @ w)),
+        lambda y, g: ((g * (1 - y**2)) @ w.T,),
+    )
+    return jnp.sum(layer(x) ** 2)
+
+
+def closure_custom_jvp(x: Any, w: Any) -> Any:
+    @jax.custom_jvp
+    def layer(x: Any) -> Any:
+        return jnp.sin(x @ w)
+
+    layer.defjvp(lambda p, t: (jnp.sin(p[0] @ w), jnp.cos(p[0] @ w) * (t[0] @ w)))
+    return jnp.sum(layer(x) ** 2)
+
+
+def cases() -> list[tuple[str, Callable[..., Any], tuple]]:
+    import diffrax
+    import lineax as lx
+    import optimistix as optx
+    from jax.experimental import pallas as pl
+
+    ts = jnp.linspace(0.0, 1.0, 5)
+    target = jnp.stack([jnp.cos(ts), jnp.sin(ts)], -1)
+    mlp = eqx.nn.MLP(2, 2, 16, 2, activation=jnp.tanh, key=KEYS[2])
+
+    def ode(adjoint: Any) -> Callable[..., Any]:
+        def loss(model: Any) -> Any:
+            sol = diffrax.diffeqsolve(
+                diffrax.ODETerm(lambda t, y, m: m(y)), diffrax.Tsit5(), 0.0, 1.0, 0.1,
+                jnp.array([1.0, 0.0]), args=model, saveat=diffrax.SaveAt(ts=ts),
+                stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4), adjoint=adjoint,
+            )
+            return jnp.mean((sol.ys - target) ** 2)
+
+        return loss
+
+    def root(w: Any) -> Any:
+        sol = optx.root_find(
+            lambda y, a: jnp.tanh(a @ y) + y - 1.0, optx.Newton(rtol=1e-2, atol=1e-2),
+            jnp.zeros(2), args=w,
+        )
+        return jnp.sum(sol.value**2)
+
+    def solve(w: Any, b: Any) -> Any:
+        op = lx.FunctionLinearOperator(lambda v: w @ v + 4 * v, jax.ShapeDtypeStruct((2,), jnp.float32))
+        return jnp.sum(lx.linear_solve(op, b).value ** 2)
+
+    def kernel(x_ref: Any, o_ref: Any) -> None:
+        o_ref[...] = jnp.tanh(x_ref[...]) * x_ref[...]
+
+    def grad_kernel(x_ref: Any, g_ref: Any, o_ref: Any) -> None:
+        t = jnp.tanh(x_ref[...])
+        o_ref[...] = g_ref[...] * (t + x_ref[...] * (1 - t * t))
+
+    def call(k: Any, *args: Any) -> Any:
+        out = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+        return pl.pallas_call(k, out_shape=out, interpret=True)(*args)
+
+    @jax.custom_vjp
+    def gate(x: Any) -> Any:
+        return call(kernel, x)
+
+    gate.defvjp(lambda x: (call(kernel, x), x), lambda x, g: (call(grad_kernel, x, g),))
+    w2 = jax.random.normal(KEYS[4], (8, 8)) / 3
+    a = jnp.array([[3.0, 1.0], [1.0, 2.0]])
+    return [
+        ("jax.custom_gradient, rule closes over an intermediate", custom_gradient, (X, W)),
+        ("custom_vjp, rules close over a weight", closure_custom_vjp, (X, W)),
+        ("custom_jvp, rule closes over a weight", closure_custom_jvp, (X, W)),
+        ("diffrax neural ODE, RecursiveCheckpointAdjoint", ode(diffrax.RecursiveCheckpointAdjoint()), (mlp,)),
+        ("diffrax neural ODE, BacksolveAdjoint", ode(diffrax.BacksolveAdjoint()), (mlp,)),
+        ("optimistix Newton root find (tol 1e-2)", root, (a,)),
+        ("lineax solve, function operator", solve, (a, jnp.ones(2))),
+        ("Pallas kernel (interpret) between two matmuls", lambda w, x: jnp.sum((gate(x @ w) @ w2) ** 2), (W, X)),
+    ]
+
+
+def measure(loss: Callable[..., Any], args: tuple) -> dict[str, Any]:
+    amp_loss = autocast.amp(loss, compute_dtype=BF16)
+    row: dict[str, Any] = {}
+    try:
+        value = float(eqx.filter_jit(loss)(*args))
+        row["forward"] = abs(float(eqx.filter_jit(amp_loss)(*args)) - value) / abs(value)
+    except Exception as e:  # reported, not raised: the table shows what fails
+        row["forward"] = f"{type(e).__name__}"
+        traceback.print_exc()
+    want = eqx.filter_jit(eqx.filter_grad(loss))(*args)
+    for name, fn in (
+        ("grad(amp(f))", eqx.filter_grad(amp_loss)),
+        ("amp(grad(f))", autocast.amp(eqx.filter_grad(loss), compute_dtype=BF16)),
+    ):
+        try:
+            got = eqx.filter_jit(fn)(*args)
+            same = [x.dtype for x in jax.tree_util.tree_leaves(got)] == [
+                x.dtype for x in jax.tree_util.tree_leaves(want)
+            ]
+            row[name] = _rel(got, want) if same else "wrong dtypes"
+        except Exception as e:
+            row[name] = f"{type(e).__name__}"
+            traceback.print_exc()
+    return row
+
+
+def main() -> dict[str, dict[str, Any]]:
+    results = {name: measure(loss, args) for name, loss, args in cases()}
+    header = f"{'case':<52} {'forward':>9} {'grad(amp(f))':>13} {'amp(grad(f))':>13}"
+    print(header)
+    print("-" * len(header))
+    for name, row in results.items():
+        cells = [f"{v:.2e}" if isinstance(v, float) else v for v in row.values()]
+        print(f"{name:<52} {cells[0]:>9} {cells[1]:>13} {cells[2]:>13}")
+    print("(relative error vs float32; forward: loss value, gradients: L2 over all leaves)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
