@@ -5,8 +5,8 @@ MLP and the GPT-style model (unrolled and scanned, with and without checkpoints)
 16-bit share of matmul FLOPs forward and backward, casts, activation memory and its ratios;
 then the trace-overhead ratio of ``jit(amp(f)).lower`` over ``jit(f).lower``; and, when a
 GPU is present, step time and peak memory as ratios to float32; and amp on third-party code
-(custom rules with closures, diffrax, optimistix, lineax, a Pallas kernel) against float32. Prints tables and writes all
-figures to ``--json`` (default ``benchmarks/results.json``).
+(custom rules with closures, diffrax, optimistix, lineax, a Pallas kernel) against float32.
+Prints tables and writes all figures to ``--json`` (default ``benchmarks/results.json``).
 """
 
 from __future__ import annotations
