@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import autocast
 from autocast import _models
@@ -62,3 +63,81 @@ def test_report_of_a_function_with_integer_outputs():
     r = autocast.report(lambda x: (x @ x).astype(jnp.int32))(jnp.ones((2, 2)))
     assert r.summary["low_precision_flop_share"] == {"forward": 1.0, "backward": None}
     assert r.summary["residual_bytes"] == 0  # nothing flows back through an integer
+
+
+# --- typed PRNG keys (jax.random.key), as Flax's dropout carries them -----------------------
+
+def _check_dropout_report(r):
+    """Matmuls in bfloat16; the key and the random bits drawn from it untouched."""
+    dots = [row for row in r.rows if row.primitive == "dot_general"]
+    assert len(dots) == 1 and dots[0].count == 2
+    assert (dots[0].input_dtypes, dots[0].output_dtypes) == ("bfloat16,bfloat16", "bfloat16")
+    random = [row for row in r.rows if row.primitive.startswith("random_")]
+    bits = [row for row in random if row.primitive == "random_bits"]
+    assert bits and all(row.input_dtypes.startswith("key<") for row in bits)
+    assert all(row.output_dtypes == "uint32" for row in bits)
+    for row in random + [row for row in r.rows if row.primitive == "bitcast_convert_type"]:
+        assert row.rule == "use_original_precision", row
+        assert "bfloat16" not in row.input_dtypes + row.output_dtypes, row
+    text = str(r)
+    assert "key<" in text and "random_bits" in text
+    assert r.summary["low_precision_flop_share"] == {"forward": 1.0, "backward": 1.0}
+    assert 0 < r.summary["residual_bytes"] < r.summary["residual_bytes_original"]
+
+
+def test_report_on_a_flax_linen_model_with_dropout():
+    nn = pytest.importorskip("flax.linen")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(16)(x)))
+            return nn.Dense(4)(x)
+
+    model, x = Model(), jnp.ones((8, 12))
+    params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+
+    def loss(params, x, key):
+        return jnp.mean(model.apply(params, x, rngs={"dropout": key}) ** 2)
+
+    r = autocast.report(loss, compute_dtype=jnp.bfloat16)(params, x, jax.random.key(2))
+    _check_dropout_report(r)
+
+
+def test_report_on_a_flax_nnx_model_with_dropout():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(12, 16, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+            self.out = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.dropout(nnx.relu(self.hidden(x))))
+
+    graphdef, state = nnx.split(Model(nnx.Rngs(0, dropout=1)))
+    leaves = jax.tree_util.tree_leaves(state)  # the dropout's key travels in the state
+    assert any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in leaves)
+
+    def loss(state, x):
+        return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
+
+    r = autocast.report(loss, compute_dtype=jnp.bfloat16)(state, jnp.ones((8, 12)))
+    _check_dropout_report(r)
+
+
+def test_report_when_a_key_is_kept_for_the_backward_pass_or_returned():
+    def loss(w, x, key):
+        @jax.checkpoint  # the backward pass re-draws the mask: the key is a residual
+        def layer(w, x, key):
+            return jnp.where(jax.random.bernoulli(key, 0.5, (x.shape[0], w.shape[1])), x @ w, 0.0)
+
+        key, sub = jax.random.split(key)
+        return jnp.sum(layer(w, x, sub) ** 2), key
+
+    r = autocast.report(loss, compute_dtype=jnp.bfloat16)(jnp.ones((4, 4)), jnp.ones((2, 4)),
+                                                          jax.random.key(0))
+    assert r.summary["low_precision_flop_share"] == {"forward": 1.0, "backward": 1.0}
+    bits = [row for row in r.rows if row.primitive == "random_bits"]
+    assert bits and all(row.input_dtypes.startswith("key<") for row in bits)

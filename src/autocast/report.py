@@ -12,7 +12,7 @@ import numpy as np
 from jax.extend import source_info_util
 
 from autocast import _measure
-from autocast._tree import is_array
+from autocast._tree import is_array, is_inexact_dtype
 from autocast.transform import amp as _amp
 
 
@@ -86,8 +86,14 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
 
 
+def _dtype_name(dtype: Any) -> str:
+    """``float32``, ``bfloat16``... and for an extended dtype its own name, such as the
+    ``key<fry>`` of a typed PRNG key, which NumPy cannot interpret."""
+    return dtype.name if hasattr(dtype, "name") else str(dtype)
+
+
 def _dtypes(values: Any) -> str:
-    names = [np.dtype(x.dtype).name for x in values if hasattr(x, "dtype")]
+    names = [_dtype_name(x.dtype) for x in values if hasattr(x, "dtype")]
     return ",".join(names) if names else "-"
 
 
@@ -95,6 +101,31 @@ def _where(eqn: Any) -> str:
     scope = str(eqn.source_info.name_stack)
     location = source_info_util.summarize(eqn.source_info)
     return f"{scope} @ {location}" if scope else location
+
+
+def _cotangent(out: Any) -> Any:
+    """Ones for a floating output; the symbolic zero ``float0`` for the rest (integers,
+    booleans, typed PRNG keys), which is all ``jax.vjp`` accepts for them."""
+    if is_inexact_dtype(out.dtype):
+        return np.ones(out.shape, out.dtype)
+    return np.zeros(out.shape, jax.dtypes.float0)
+
+
+def _pullback(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` followed by its backward pass, for reading both off one jaxpr."""
+
+    def run_vjp(*args: Any, **kwargs: Any) -> Any:
+        out, vjp_fn = jax.vjp(lambda *a: f(*a, **kwargs), *args)
+        return vjp_fn(jax.tree_util.tree_map(_cotangent, out))
+
+    return run_vjp
+
+
+def _residual_bytes(f: Callable[..., Any], args: Any, kwargs: Any) -> int | None:
+    try:
+        return _measure.residual_bytes(lambda *a: f(*a, **kwargs), *args)
+    except TypeError:  # _measure sizes residuals with NumPy, which cannot size a typed PRNG key
+        return None
 
 
 def report(
@@ -143,21 +174,16 @@ def report(
         summary: dict[str, Any] = {"low_precision_flop_share": share}
         summary["casts"] = _measure.count_casts(amp_jaxpr) - _measure.count_casts(original)
         try:
-            def pullback(f: Callable[..., Any]) -> Callable[..., Any]:
-                def run_vjp(*a: Any, **k: Any) -> Any:
-                    out, vjp_fn = jax.vjp(lambda *p: f(*p, **k), *a)
-                    return vjp_fn(jax.tree_util.tree_map(lambda o: np.ones(o.shape, o.dtype), out))
-                return run_vjp
-
-            both = jax.make_jaxpr(pullback(amp_fn))(*args, **kwargs)
+            both = jax.make_jaxpr(_pullback(amp_fn))(*args, **kwargs)
+        except (TypeError, ValueError):  # not differentiable (integer inputs, ...)
+            share["backward"] = None
+            summary["residual_bytes"] = summary["residual_bytes_original"] = None
+        else:
             low_all, total_all = _measure.matmul_flop_counts(both)
             back_total = total_all - total
             share["backward"] = (low_all - low) / back_total if back_total else None
-            summary["residual_bytes"] = _measure.residual_bytes(lambda *a: amp_fn(*a, **kwargs), *args)
-            summary["residual_bytes_original"] = _measure.residual_bytes(lambda *a: fn(*a, **kwargs), *args)
-        except (TypeError, ValueError):  # not differentiable (integer outputs, ...)
-            share["backward"] = None
-            summary["residual_bytes"] = summary["residual_bytes_original"] = None
+            summary["residual_bytes"] = _residual_bytes(amp_fn, args, kwargs)
+            summary["residual_bytes_original"] = _residual_bytes(fn, args, kwargs)
 
         rows = tuple(
             PrimitiveRow(prim, n, ins, outs, rule)

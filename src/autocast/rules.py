@@ -82,11 +82,30 @@ def cast_value(x: Any, dtype: Any) -> Any:
     return hit[1]
 
 
-def _with_result_dtype(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
+@functools.lru_cache(maxsize=None)
+def _default_result_width(original_dtypes: tuple[Any, ...]) -> int:
+    """Bytes of the floating result JAX gives these operands when not asked for another
+    (0 when none is a floating dtype amp may cast)."""
+    return max((np.dtype(o).itemsize for o in original_dtypes if _castable_dtypes(o, o)), default=0)
+
+
+def _with_result_dtype(
+    params: dict[str, Any], dtype: Any, original_dtypes: Sequence[Any]
+) -> dict[str, Any]:
+    """``params`` with their result dtype (``preferred_element_type``...) moved to ``dtype``.
+
+    JAX records the operands' own dtype there (``jnp.matmul`` of float32 arrays says
+    float32), and that follows the operands. A result dtype wider than the original operands
+    would give is the user's own choice (``jnp.einsum(a16, b16,
+    preferred_element_type=jnp.float32)``, accumulate in float32) and is kept.
+    """
     for key in _RESULT_DTYPE_PARAMS:
         value = params.get(key)
-        if value is not None and jnp.issubdtype(value, jnp.floating) and value != _F64:
-            params = {**params, key: np.dtype(dtype)}
+        if value is None or not _castable_dtypes(value, value):
+            continue
+        if np.dtype(value).itemsize > _default_result_width(tuple(original_dtypes)):
+            continue  # asked for explicitly: the user's accumulator stays
+        params = {**params, key: np.dtype(dtype)}
     return params
 
 
@@ -103,6 +122,8 @@ def use_compute_precision(
 
     It only ever narrows: an operation the program already wrote in fewer bits than
     ``compute_dtype`` (a bfloat16 matmul under ``compute_dtype=float32``) keeps its dtype.
+    A result dtype wider than the original operands give by default was asked for by the
+    user (``preferred_element_type=jnp.float32`` on bfloat16 operands) and is kept.
 
     >>> import autocast, jax.numpy as jnp
     >>> (a, b), params = autocast.use_compute_precision(
@@ -110,12 +131,17 @@ def use_compute_precision(
     ...     preferred_element_type=jnp.float32)
     >>> a.dtype, params["preferred_element_type"]
     (dtype(bfloat16), dtype(bfloat16))
+    >>> _, params = autocast.use_compute_precision(
+    ...     jnp.bfloat16, [jnp.bfloat16] * 2, jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.bfloat16),
+    ...     preferred_element_type=jnp.float32)
+    >>> params["preferred_element_type"] == jnp.float32
+    True
     """
     widths = [np.dtype(o).itemsize for x, o in zip(invars, original_dtypes) if _castable(x, o)]
     if widths and max(widths) < np.dtype(compute_dtype).itemsize:
         return use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params)
     return _cast_all(compute_dtype, original_dtypes, invars), _with_result_dtype(
-        bind_params, compute_dtype
+        bind_params, compute_dtype, original_dtypes
     )
 
 
@@ -160,7 +186,8 @@ def use_widest_precision(
     widest = _widest(invars, original_dtypes)
     if widest is None:
         return invars, bind_params
-    return _cast_all(widest, original_dtypes, invars), _with_result_dtype(bind_params, widest)
+    params = _with_result_dtype(bind_params, widest, original_dtypes)
+    return _cast_all(widest, original_dtypes, invars), params
 
 
 def use_input_precision(
@@ -196,7 +223,8 @@ def use_precision(dtype: Any) -> PrecisionFn:
     def rule(
         compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
     ) -> tuple[Sequence[Any], dict[str, Any]]:
-        return _cast_all(dtype, original_dtypes, invars), _with_result_dtype(bind_params, dtype)
+        params = _with_result_dtype(bind_params, dtype, original_dtypes)
+        return _cast_all(dtype, original_dtypes, invars), params
 
     rule.__name__ = rule.__qualname__ = f"use_precision({dtype.name})"
     return rule
@@ -224,22 +252,36 @@ def use_full_precision(
     if not wanted:
         return invars, bind_params
     target = next(iter(wanted)) if len(wanted) == 1 else np.dtype(jnp.result_type(*wanted))
-    return _cast_all(target, original_dtypes, invars), _with_result_dtype(bind_params, target)
+    params = _with_result_dtype(bind_params, target, original_dtypes)
+    return _cast_all(target, original_dtypes, invars), params
 
 
 # The float32 rows of the table: float32 for a float32 program, never narrower than the program.
 use_float32_precision = use_full_precision
 
-# Squares and cubes (variances, tanh-GELU) stay in the input dtype; higher powers overflow
-# float16 too easily and go to float32.
-_SMALL_POWER = 3
+# Exponents whose powers stay in the input dtype: the identity, reciprocals and cubes (the
+# tanh-GELU's ``x ** 3`` runs on the widest activations of a transformer). Squares go to
+# float32 with ``square`` (see its row), higher powers because they overflow float16.
+_INPUT_PRECISION_EXPONENTS = frozenset({-3, -1, 0, 1, 3})
 
 
-def use_input_precision_for_small_powers(
+def use_precision_by_exponent(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
-    """``integer_pow``: input precision for exponents up to 3 in size, float32 above."""
-    rule = use_input_precision if abs(bind_params.get("y", 0)) <= _SMALL_POWER else use_float32_precision
+    """``integer_pow``: input precision for cubes and reciprocals; float32 for squares (like
+    ``square``) and for powers of 4 and more, never narrower than the program.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> from autocast.rules import use_precision_by_exponent
+    >>> x = jnp.ones(2, jnp.bfloat16)
+    >>> [use_precision_by_exponent(jnp.bfloat16, [jnp.float32], x, y=y)[0][0].dtype
+    ...  for y in (2, 3, 4)]
+    [dtype('float32'), dtype(bfloat16), dtype('float32')]
+    """
+    if bind_params.get("y") in _INPUT_PRECISION_EXPONENTS:
+        rule = use_input_precision
+    else:
+        rule = use_float32_precision
     return rule(compute_dtype, original_dtypes, *invars, **bind_params)
 
 
@@ -272,6 +314,12 @@ _ELEMENTWISE = "input dtype: cheap elementwise work; keeps activations 16-bit"
 _MOVEMENT = "input dtype: moves data without arithmetic; keeps activations 16-bit"
 _SELECTION = "input dtype: picks among values exactly"
 _USER_CAST = "input dtype: a cast the user wrote keeps its target dtype"
+_SQUARE = (
+    "float32: squares feed one-pass variances E[x^2] - E[x]^2, which go negative when the"
+    " square is rounded to 16 bits (Haiku BatchNorm: NaN loss), and overflow float16 above"
+    " 256; fused into the float32 sum it feeds, it costs no memory in a compiled step"
+)
+_KERNEL = "original precision: a kernel is written for the dtypes it was given"
 
 # (primitive name, precision function, reason). Rows for primitives that a JAX version lacks
 # are skipped when the policy is built. Public: `autocast.DEFAULT_PRECISION_TABLE`, e.g.
@@ -298,6 +346,13 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("sqrt", use_float32_precision, _STATISTIC),
     ("rsqrt", use_float32_precision, _STATISTIC),
     ("cbrt", use_float32_precision, _STATISTIC),
+    ("square", use_float32_precision, _SQUARE),
+    (
+        "integer_pow",
+        use_precision_by_exponent,
+        "input dtype for cubes and reciprocals (tanh-GELU); float32 for squares, as `square`,"
+        " and for powers of 4 and more, which overflow float16",
+    ),
     ("erf", use_float32_precision, _SPECIAL),
     ("erfc", use_float32_precision, _SPECIAL),
     ("erf_inv", use_float32_precision, _SPECIAL),
@@ -366,8 +421,6 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("ceil", use_input_precision, _ELEMENTWISE),
     ("round", use_input_precision, _ELEMENTWISE),
     ("is_finite", use_input_precision, _ELEMENTWISE),
-    ("square", use_input_precision, _ELEMENTWISE),
-    ("integer_pow", use_input_precision_for_small_powers, _ELEMENTWISE + " (exponents up to 3)"),
     ("tanh", use_input_precision, _ELEMENTWISE + " (bounded output)"),
     ("logistic", use_input_precision, _ELEMENTWISE + " (bounded output)"),
     ("reduce_precision", use_input_precision, _ELEMENTWISE),
@@ -399,6 +452,7 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("sort", use_input_precision, _SELECTION),
     ("top_k", use_input_precision, _SELECTION),
     ("convert_element_type", use_input_precision_for_casts, _USER_CAST),
+    ("pallas_call", use_original_precision, _KERNEL),
 )
 
 # Scopes that keep original precision: the seed's special names.
