@@ -116,7 +116,7 @@ def residual_bytes(fn: Callable[..., Any], *args: Any, include_inputs: bool = Tr
     jaxpr = jax.make_jaxpr(residuals)(*args).jaxpr
     inputs = set(jaxpr.invars)
     return sum(
-        math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+        math.prod(v.aval.shape) * v.aval.dtype.itemsize
         for v in jaxpr.outvars
         if include_inputs or isinstance(v, _compat.Literal) or v not in inputs
     )

@@ -196,9 +196,31 @@ def _checked_rule_output(rule: PrecisionFn, eqn: Any, result: Any, n_in: int) ->
     return invars, dict(params)
 
 
+# Elementwise primitives that broadcast a size-1 axis of an operand by themselves: Flax's
+# Dense adds its bias as ``y + bias.reshape(1, n)``, with no broadcast_in_dim in the jaxpr.
+_IMPLICIT_BROADCAST = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "rem", "pow", "atan2", "select_n", "clamp",
+    "eq", "ne", "lt", "le", "gt", "ge", "add_any",
+})
+
+
+def _implicitly_spread(eqn: Any, kinds: Sequence[int]) -> Sequence[int]:
+    """``kinds`` with each input that ``eqn`` broadcasts implicitly marked SPREAD, as an
+    explicit ``broadcast_in_dim`` of it would be."""
+    shape = eqn.outvars[0].aval.shape
+    spread = list(kinds)
+    for i, (k, v) in enumerate(zip(kinds, eqn.invars)):
+        s = getattr(v.aval, "shape", shape)
+        if k == RAW and s != shape and len(s) == len(shape) and all(a in (1, b) for a, b in zip(s, shape)):
+            spread[i] = SPREAD
+    return spread
+
+
 def apply_first_order(eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context) -> Any:
     """Decides, casts and binds one first-order equation."""
     original = [v.aval.dtype for v in eqn.invars]
+    if RAW in kinds and eqn.primitive.name in _IMPLICIT_BROADCAST:
+        kinds = _implicitly_spread(eqn, kinds)
     if WEAK in kinds or SPREAD in kinds:
         invals = adapt_weak(invals, kinds, original)
     rule = decide(eqn, ctx)
