@@ -28,6 +28,20 @@ def _check(loss, *args):
         assert g.dtype == p.dtype and bool(jnp.all(jnp.isfinite(g)))
 
 
+def test_flax_dense_bias_follows_the_activation():
+    # Flax adds its bias as y + b.reshape(1, n): broadcast by the add itself, not by a
+    # broadcast_in_dim, it must still follow the 16-bit activation, so a stack of Dense
+    # layers stays 16-bit between its matmuls.
+    nn = pytest.importorskip("flax.linen")
+    model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(16), nn.relu, nn.Dense(4)])
+    x = jnp.ones((8, 8))
+    params = model.init(jax.random.key(0), x)
+    jaxpr = jaxpr_of(autocast.amp(lambda p, x: model.apply(p, x), compute_dtype=BF16), params, x)
+    adds = [e for e in jaxpr.eqns if e.primitive.name == "add"]
+    assert len(adds) == 3 and all(e.outvars[0].aval.dtype == BF16 for e in adds)
+    _check(lambda p, x: jnp.sum(model.apply(p, x) ** 2), params, x)
+
+
 def test_flax_linen_transformer_block():
     nn = pytest.importorskip("flax.linen")
 

@@ -121,11 +121,8 @@ def _pullback(f: Callable[..., Any]) -> Callable[..., Any]:
     return run_vjp
 
 
-def _residual_bytes(f: Callable[..., Any], args: Any, kwargs: Any) -> int | None:
-    try:
-        return _measure.residual_bytes(lambda *a: f(*a, **kwargs), *args)
-    except TypeError:  # _measure sizes residuals with NumPy, which cannot size a typed PRNG key
-        return None
+def _residual_bytes(f: Callable[..., Any], args: Any, kwargs: Any) -> int:
+    return _measure.residual_bytes(lambda *a: f(*a, **kwargs), *args)
 
 
 def report(
