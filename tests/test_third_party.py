@@ -160,6 +160,69 @@ def test_closure_rules_under_vmap_and_jit():
     assert rel_error(per_example, want) < 0.05
 
 
+def symbolic_zeros_loss(x, w):
+    # A rule asking for symbolic zeros, whose residuals depend on what is perturbed.
+    w2 = w * 1.5
+
+    @jax.custom_vjp
+    def layer(x):
+        return jnp.tanh(x @ w2)
+
+    def fwd(x):
+        return jnp.tanh(x.value @ w2), (x.value if x.perturbed else None)
+
+    def bwd(x, g):
+        return jax.vjp(lambda x: jnp.tanh(x @ w2), x)[1](g)
+
+    layer.defvjp(fwd, bwd, symbolic_zeros=True)
+    return jnp.sum(layer(x) ** 2)
+
+
+def equinox_custom_vjp_loss(x, w):
+    w2 = w * 1.5
+
+    @eqx.filter_custom_vjp
+    def layer(x, scale):
+        return jnp.tanh(x @ w2) * scale
+
+    @layer.def_fwd
+    def layer_fwd(perturbed, x, scale):
+        return jnp.tanh(x @ w2) * scale, (x if perturbed else None)
+
+    @layer.def_bwd
+    def layer_bwd(res, g, perturbed, x, scale):
+        return jax.vjp(lambda x: jnp.tanh(x @ w2) * scale, x)[1](g)[0]
+
+    return jnp.sum(layer(x, 2.0) ** 2)
+
+
+@pytest.mark.parametrize("loss", [symbolic_zeros_loss, equinox_custom_vjp_loss], ids=lambda f: f.__name__)
+def test_closures_in_rules_that_ask_for_symbolic_zeros(loss):
+    check_three_ways(loss, (X, W), tol=0.05)
+
+
+def test_a_rule_without_closures_is_not_traced_early():
+    # Finding closures must not cost every relu a trace of its rule, nor run user rules
+    # that differentiation never asks for.
+    calls = []
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    def fwd(x):
+        calls.append("fwd")
+        return jnp.sin(x), x
+
+    def bwd(x, g):
+        calls.append("bwd")
+        return (g * jnp.cos(x),)
+
+    f.defvjp(fwd, bwd)
+    jax.make_jaxpr(autocast.amp(lambda x: f(x @ W) * 2))(X)
+    assert calls == []
+
+
 def test_a_rule_without_closures_is_left_alone():
     # jax.nn.relu's rule closes over nothing traced: the equation is JAX's own, unrewritten.
     jaxpr = jax.make_jaxpr(autocast.amp(lambda x: jax.nn.relu(x @ W), compute_dtype=BF16))(X)

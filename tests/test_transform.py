@@ -98,6 +98,24 @@ def test_python_floats_are_traced_weakly_like_jit():
     assert [e.outvars[0].aval.dtype for e in eqns_named(jaxpr, "mul")] == [jnp.dtype(BF16)]
 
 
+def test_a_python_float_passed_through_under_transformations():
+    g = bf16_amp(lambda x, a: (jnp.sum(x @ W) * a, a))
+    assert g(X, 0.5)[1] == 0.5
+    assert jax.grad(lambda x: g(x, 0.5)[0])(X).dtype == F32
+    assert jax.jvp(lambda x: g(x, 0.5), (X,), (X,))[0][1] == 0.5
+    np.testing.assert_array_equal(jax.vmap(lambda x: g(x, 0.5)[1])(X), np.full(3, 0.5))
+
+
+def test_a_broadcast_parameter_keeps_its_bits_in_a_float32_rule():
+    # The exponent of x ** p is not narrowed to the activation's 16 bits on its way to the
+    # float32 pow.
+    p = jnp.full((1, 4), 1.003, F32)
+    fn = lambda x, p: (x @ W + 3.0) ** p  # noqa: E731
+    np.testing.assert_allclose(bf16_amp(fn)(X, p), fn(X, p), rtol=1e-2)
+    casts = eqns_named(jaxpr_of(bf16_amp(fn), X, p), "convert_element_type")
+    assert not [e for e in casts if e.outvars[0].aval.shape == (1, 4) and e.outvars[0].aval.dtype == BF16]
+
+
 @pytest.mark.parametrize(
     "fn, args",
     [

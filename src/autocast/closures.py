@@ -22,8 +22,10 @@ itself raises a leaked-tracer error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
+import types
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -122,6 +124,68 @@ def _closed_over(*closed_jaxprs: Any) -> list[Any]:
     return list(found.values())
 
 
+# How deep the cheap look at a rule's closure goes before it gives up and traces the rule.
+_MAX_DEPTH = 8
+_OPAQUE = (bool, int, float, complex, str, bytes, type, types.ModuleType, np.ndarray, np.generic,
+           np.dtype, types.BuiltinFunctionType, types.CodeType, inspect.Signature,
+           jax.tree_util.PyTreeDef)
+
+
+def _may_hold_tracer(obj: Any, seen: set[int] | None = None, depth: int = 0) -> bool:
+    """Whether ``obj`` (a rule, what it closes over, what that holds...) may reach a tracer.
+
+    A cheap walk through closures, defaults, partials, bound methods, containers, pytrees and
+    object attributes: most rules (``jax.nn.relu``'s, diffrax's) hold nothing traced, and
+    tracing them to find out would cost every model a trace of each. Where the walk cannot
+    see, it answers yes and the rule is traced.
+    """
+    if isinstance(obj, jax.core.Tracer):
+        return True
+    if obj is None or isinstance(obj, _OPAQUE) or isinstance(obj, jax.Array):
+        return False
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if depth > _MAX_DEPTH:
+        return True
+    if isinstance(obj, types.FunctionType):
+        parts = [*_cells(obj), *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+    elif isinstance(obj, types.MethodType):
+        parts = [obj.__func__, obj.__self__]
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, jax.custom_vjp):  # its primal's closure is JAX's business, not ours
+        parts = [obj.fwd, obj.bwd]
+    elif isinstance(obj, jax.custom_jvp):
+        parts = [getattr(obj, "jvp", None)]
+    elif hasattr(obj, "__wrapped__"):  # jax.jit, functools.wraps: what it calls is what matters
+        parts = [obj.__wrapped__]
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        parts = list(obj)
+    elif isinstance(obj, dict):
+        parts = list(obj.values())
+    else:
+        leaves = jax.tree_util.tree_leaves(obj)
+        if len(leaves) != 1 or leaves[0] is not obj:
+            parts = leaves
+        elif hasattr(obj, "__dict__"):
+            parts = list(vars(obj).values())
+        else:
+            return True
+    return any(_may_hold_tracer(p, seen, depth + 1) for p in parts)
+
+
+def _cells(fn: types.FunctionType) -> list[Any]:
+    found = []
+    for cell in fn.__closure__ or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # an empty cell: a name not bound yet
+            pass
+    return found
+
+
 def _positional(fun: Callable[..., Any], args: tuple, kwargs: dict) -> tuple | None:
     """The call's arguments as positional ones, as the custom function binds them; None if that
     cannot be done (the original call then reports the problem)."""
@@ -147,14 +211,29 @@ def _tangent_spec(x: Any) -> Any:
 # --- custom_vjp ----------------------------------------------------------------------------------
 
 def _vjp_closure(self: Any, args: tuple) -> list[Any]:
-    """The traced values ``self``'s forward and backward rules close over, at ``args``."""
+    """The traced values ``self``'s forward and backward rules close over, at ``args``.
+
+    A rule that asks for symbolic zeros may close over different values depending on which
+    inputs are perturbed; it is traced as differentiation will most likely call it (every
+    floating input perturbed) and, should it refuse that (Equinox asserts that the inputs it
+    marked non-differentiable are unperturbed), with nothing perturbed."""
+    if not self.symbolic_zeros:
+        return _vjp_closure_for(self, args, None)
+    try:
+        return _vjp_closure_for(self, args, lambda v: is_inexact_dtype(v.dtype))
+    except Exception:
+        return _vjp_closure_for(self, args, lambda v: False)
+
+
+def _vjp_closure_for(self: Any, args: tuple, perturbed: Callable[[Any], bool] | None) -> list[Any]:
     nondiff = set(self.nondiff_argnums)
 
     def fwd_args(xs: Sequence[Any]) -> list[Any]:
-        wrap = self.symbolic_zeros
+        if perturbed is None:
+            return list(xs)
         return [
             x if i in nondiff else
-            jax.tree_util.tree_map(lambda v: CustomVJPPrimal(v, False), x) if wrap else x
+            jax.tree_util.tree_map(lambda v: CustomVJPPrimal(v, perturbed(v)), x)
             for i, x in enumerate(xs)
         ]
 
@@ -179,7 +258,7 @@ def _vjp_closure(self: Any, args: tuple) -> list[Any]:
 
 def _rewrite_vjp(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     positional = _positional(self.fun, args, kwargs)
-    if positional is None:
+    if positional is None or not _may_hold_tracer((self.fwd, self.bwd)):
         return original(self, *args, **kwargs)
     try:
         with rewriting(False):
@@ -236,7 +315,8 @@ def _jvp_closure(self: Any, args: tuple) -> list[Any]:
 
 def _rewrite_jvp(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     positional = _positional(self.fun, args, kwargs)
-    if positional is None or getattr(self, "jvp", None) is None:
+    jvp = getattr(self, "jvp", None)
+    if positional is None or jvp is None or not _may_hold_tracer(jvp):
         return original(self, *args, **kwargs)
     try:
         with rewriting(False):

@@ -40,6 +40,7 @@ from autocast.rules import (
     _castable,
     cast_memo,
     cast_value,
+    use_full_precision,
     use_input_precision,
     use_original_precision,
 )
@@ -216,14 +217,23 @@ def _implicitly_spread(eqn: Any, kinds: Sequence[int]) -> Sequence[int]:
     return spread
 
 
+# Rules that compute from the program's own dtypes (float32, or as recorded): a constant or a
+# broadcast parameter meeting a 16-bit activation there is not narrowed first, or the
+# exponent of ``x ** p`` would lose its bits on the way to a float32 pow.
+_WIDE_RULES = frozenset({use_full_precision, use_original_precision})
+
+
 def apply_first_order(eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context) -> Any:
     """Decides, casts and binds one first-order equation."""
     original = [v.aval.dtype for v in eqn.invars]
     if RAW in kinds and eqn.primitive.name in _IMPLICIT_BROADCAST:
         kinds = _implicitly_spread(eqn, kinds)
-    if WEAK in kinds or SPREAD in kinds:
-        invals = adapt_weak(invals, kinds, original)
     rule = decide(eqn, ctx)
+    if WEAK in kinds or SPREAD in kinds:
+        if rule in _WIDE_RULES:
+            invals = [_materialized(x) for x in invals]
+        else:
+            invals = adapt_weak(invals, kinds, original)
     invars, params = _checked_rule_output(
         rule, eqn, rule(ctx.compute_dtype, original, *invals, **eqn.params), len(invals)
     )

@@ -10,6 +10,7 @@ import threading
 from typing import Any, Callable, Iterator, Mapping, TypeVar, overload
 
 import jax
+import jax.numpy as jnp
 
 from autocast import _compat, closures
 from autocast._tree import is_array, is_floating_dtype
@@ -174,7 +175,8 @@ class _Amp:
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         traced = self._trace(in_tree, leaves, dynamic)
-        args_in = [leaves[i] for i in dynamic]
+        # A Python float enters as the weakly typed array jax.jit would make of it.
+        args_in = [jnp.asarray(x) if type(x) in _TRACED_SCALARS else x for x in (leaves[i] for i in dynamic)]
         ctx = self._context()
         if any(isinstance(x, jax.core.Tracer) for x in args_in):
             outs = traced.evaluate(ctx)(*args_in)
