@@ -256,15 +256,23 @@ def _vjp_closure_for(self: Any, args: tuple, perturbed: Callable[[Any], bool] | 
     return _closed_over(fwd_jaxpr, bwd_jaxpr)
 
 
+def _closure_or_none(find: Callable[[Any, tuple], list[Any]], self: Any, args: tuple) -> list[Any]:
+    """``find(self, args)``, or nothing when a rule cannot be traced at these arguments.
+
+    Such a rule is left as the user wrote it: JAX itself then says what is wrong with it.
+    """
+    try:
+        with rewriting(False):
+            return find(self, args)
+    except Exception:
+        return []
+
+
 def _rewrite_vjp(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     positional = _positional(self.fun, args, kwargs)
     if positional is None or not _may_hold_tracer((self.fwd, self.bwd)):
         return original(self, *args, **kwargs)
-    try:
-        with rewriting(False):
-            hoisted = _vjp_closure(self, positional)
-    except Exception:  # a rule that cannot be traced at these arguments: JAX will say why
-        hoisted = []
+    hoisted = _closure_or_none(_vjp_closure, self, positional)
     if not hoisted:
         return original(self, *args, **kwargs)
 
@@ -318,11 +326,7 @@ def _rewrite_jvp(self: Any, original: Callable[..., Any], args: tuple, kwargs: d
     jvp = getattr(self, "jvp", None)
     if positional is None or jvp is None or not _may_hold_tracer(jvp):
         return original(self, *args, **kwargs)
-    try:
-        with rewriting(False):
-            hoisted = _jvp_closure(self, positional)
-    except Exception:  # a rule that cannot be traced at these arguments: JAX will say why
-        hoisted = []
+    hoisted = _closure_or_none(_jvp_closure, self, positional)
     if not hoisted:
         return original(self, *args, **kwargs)
 
