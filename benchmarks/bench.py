@@ -23,6 +23,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 
 import mixed_precision  # noqa: E402
+import model_families  # noqa: E402
 import third_party  # noqa: E402
 import trace_overhead  # noqa: E402
 
@@ -71,6 +72,9 @@ def main() -> None:
         results["models"][name] = {
             k: mixed_precision.measure(f, model_args, ref) for k, f in _variants(loss_fn).items()
         }
+
+    print("\n== model families: activation memory and gradient error, Flax Linen ==")
+    results["model_families"] = model_families.main()
 
     print("\n== trace overhead: jit(amp(f)).lower / jit(f).lower, 12-layer unrolled GPT ==")
     key = jax.random.PRNGKey(0)

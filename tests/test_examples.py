@@ -25,8 +25,10 @@ def _load(name: str):
 
 
 def _learns_like_float32(f32: list[float], amp: list[float], rtol: float = 0.05) -> None:
+    """amp learns, and ends within ``rtol`` of float32's loss; a loss that both drove close
+    to zero is compared against 1% of the starting loss instead."""
     assert amp[-1] < 0.8 * amp[0]
-    assert abs(amp[-1] - f32[-1]) <= rtol * f32[-1]
+    assert abs(amp[-1] - f32[-1]) <= max(rtol * f32[-1], 0.01 * f32[0])
 
 
 def test_every_example_is_listed_and_tested():
@@ -90,8 +92,8 @@ def test_flax_linen_example_runs_scanned_remat_blocks_in_bfloat16():
     params = model.init(jax.random.key(1), x)
     forward = jaxpr_of(lambda p: autocast.amp(example.loss_fn)(p, model, x, y), params)
     (scan,) = eqns_named(forward, "scan")
-    remats = eqns_named(scan.params["jaxpr"], "checkpoint") + eqns_named(scan.params["jaxpr"], "remat2")
-    assert len(remats) == 1  # the primitive's name differs between JAX versions
+    body = scan.params["jaxpr"].jaxpr.eqns  # the primitive's name differs between JAX versions
+    assert [e.primitive.name in ("checkpoint", "remat2") for e in body].count(True) == 1
     jaxpr = jaxpr_of(jax.grad(lambda p: autocast.amp(example.loss_fn)(p, model, x, y)), params)
     per_scan = [operand_dtypes(s.params["jaxpr"], "dot_general") for s in eqns_named(jaxpr, "scan")]
     # forward: a block's two products; backward: four, plus the one remat recomputes

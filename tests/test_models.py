@@ -42,12 +42,15 @@ def test_all_matmul_flops_run_in_bfloat16_forward_and_backward(case):
 
 
 def test_no_more_casts_than_the_hand_cast_model(case):
+    """Forward and backward, apart from the backward's recomputation of amp's wide regions
+    (which widens 16-bit residuals where the hand-cast model kept float32 copies)."""
     fn, args, amp_fn = case
     hand = lambda *a: fn(*a, jnp.bfloat16)  # noqa: E731
     for transform in (lambda f: f, jax.grad):
         amp_jaxpr = jax.make_jaxpr(transform(amp_fn))(*args)
         hand_jaxpr = jax.make_jaxpr(transform(hand))(*args)
-        assert _measure.count_casts(amp_jaxpr) <= _measure.count_casts(hand_jaxpr)
+        recomputed = _measure.recompute_casts(amp_jaxpr) if transform is jax.grad else 0
+        assert _measure.count_casts(amp_jaxpr) - recomputed <= _measure.count_casts(hand_jaxpr)
         assert _measure.wasted_casts(amp_jaxpr) == 0
 
 

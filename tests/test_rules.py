@@ -196,7 +196,7 @@ def test_table_has_one_row_per_primitive_and_a_reason_for_each():
     public = {autocast.use_compute_precision, autocast.use_original_precision,
               autocast.use_widest_precision, autocast.use_input_precision,
               rules.use_float32_precision, rules.use_precision_by_exponent,
-              rules.use_input_precision_for_casts}
+              rules.use_input_precision_for_casts, autocast.use_own_precision}
     for name, rule, reason in autocast.DEFAULT_PRECISION_TABLE:
         assert rule in public, name
         assert len(reason) > 20, name

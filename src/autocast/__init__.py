@@ -35,6 +35,7 @@ from autocast.rules import (
     use_full_precision,
     use_input_precision,
     use_original_precision,
+    use_own_precision,
     use_precision,
     use_widest_precision,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "use_full_precision",
     "use_input_precision",
     "use_original_precision",
+    "use_own_precision",
     "use_precision",
     "use_widest_precision",
 ]

@@ -25,13 +25,26 @@ Primitive = jex.Primitive
 JIT_NAMES = frozenset({"pjit", "jit"})
 
 
+def is_plain_jit(eqn: Any) -> bool:
+    """A ``jax.jit`` call with nothing of its own to keep: no shardings, layouts, donation or
+    compiler options (``jnp.var``'s, ``jax.nn.gelu``'s, a user's bare ``jax.jit``)."""
+    p = eqn.params
+    return (
+        not any(p.get("donated_invars", ()))
+        and all(type(s).__name__ == "UnspecifiedValue" for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
+        and all(x is None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))
+        and not p.get("compiler_options_kvs")
+        and not p.get("keep_unused", False)
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def primitive_by_name(name: str) -> Primitive | None:
     """The primitive called ``name`` in this JAX version, or None if it has none by that name.
 
     Most primitives are public in ``jax.extend.core.primitives`` or ``jax.lax``; a few (the
-    ragged dot, ``checkpoint_name``'s primitive before JAX 0.7, Pallas's kernel call) only
-    inside ``jax._src``.
+    ragged dot, ``checkpoint_name``'s primitive before JAX 0.7, Pallas's kernel call, some
+    collectives) only inside ``jax._src``.
     """
     attr = name.replace("-", "_") + "_p"
     for module in _primitive_modules():
@@ -44,7 +57,13 @@ def primitive_by_name(name: str) -> Primitive | None:
 def _primitive_modules() -> Iterator[Any]:
     yield jex.primitives
     yield jax.lax
-    for internal in ("jax._src.lax.lax", "jax._src.ad_checkpoint", "jax._src.pallas.pallas_call"):
+    for internal in (
+        "jax._src.lax.lax",
+        "jax._src.lax.parallel",  # reduce_scatter (psum_scatter), the *_invariant collectives
+        "jax._src.core",  # pvary
+        "jax._src.ad_checkpoint",
+        "jax._src.pallas.pallas_call",
+    ):
         try:
             yield importlib.import_module(internal)
         except ImportError:  # pragma: no cover - layout of a future JAX

@@ -15,6 +15,7 @@ import numpy as np
 from autocast import _compat
 from autocast._tree import is_floating_dtype
 
+_REMAT_NAMES = frozenset({"remat2", "checkpoint"})
 _MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"})
 
 
@@ -78,6 +79,26 @@ def float_casts(jaxpr: Any) -> list[Any]:
 def count_casts(jaxpr: Any) -> int:
     """Number of casts from one floating dtype to another, sub-jaxprs included."""
     return len(float_casts(jaxpr))
+
+
+def recompute_casts(jaxpr: Any) -> int:
+    """Casts that widen a 16-bit input inside the backward pass's recomputation of amp's wide
+    regions (:mod:`autocast.regions`): the price of keeping the 16-bit input as the residual
+    instead of its float32 copy. XLA fuses each into the kernel that consumes it.
+
+    Meaningful on the jaxpr of a gradient, where a region's forward equations stand inlined
+    and only its recomputation remains a checkpoint."""
+    from autocast.regions import save_nothing
+
+    count = 0
+    for eqn in equations(jaxpr):
+        if eqn.primitive.name in _REMAT_NAMES and eqn.params.get("policy") is save_nothing:
+            count += sum(
+                1
+                for e in float_casts(eqn.params["jaxpr"])
+                if e.invars[0].aval.dtype.itemsize < e.outvars[0].aval.dtype.itemsize
+            )
+    return count
 
 
 def wasted_casts(jaxpr: Any) -> int:

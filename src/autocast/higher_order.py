@@ -416,7 +416,14 @@ def _custom_lin(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
         for zero in (in_zeros if in_zeros is not None else [False] * (len(invals) - p["num_res"]))
     ]
 
+    # The user's backward rule was traced against the residuals' original dtypes.
+    res_dtypes = [v.aval.dtype for v in eqn.invars[: p["num_res"]]]
+
     def amp_bwd(*args: Any) -> Any:
+        args = tuple(
+            cast_value(x, d) if i < len(res_dtypes) and is_array(x) and _castable(x, d) else x
+            for i, (x, d) in enumerate(zip(args, [*res_dtypes, *[None] * len(args)]))
+        )
         closed, rebuild, values = traced_call(bwd.call_wrapped, args)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, values, inner)
         cts = rebuild([

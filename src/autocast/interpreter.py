@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from autocast import _compat
+from autocast import _compat, regions
 from autocast._tree import is_floating_dtype
 from autocast.rules import (
     PrecisionFn,
@@ -53,6 +53,7 @@ ADAPTABLE = (WEAK, SPREAD)
 _MOVEMENT = frozenset({
     "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "gather",
     "convert_element_type", "copy", "copy_p", "rev", "concatenate", "split", "broadcast_in_dim",
+    "stack", "unstack", "tile",
 })
 _BROADCAST = "broadcast_in_dim"
 _SPREAD = frozenset({_BROADCAST, "gather"})
@@ -153,7 +154,31 @@ class Deferred:
 
 
 def _materialized(x: Any) -> Any:
-    return x.materialize() if isinstance(x, Deferred) else x
+    return x.materialize() if isinstance(x, (Deferred, regions.Wide)) else x
+
+
+def _as_region_input(x: Any, ctx: Context) -> Any:
+    """A deferred broadcast becomes a broadcast a region replays on the small operand."""
+    if isinstance(x, Deferred):
+        return regions.replay(x.eqn, _as_region_input(x.operand, ctx), ctx)
+    return x
+
+
+def _regions_on(ctx: Context) -> bool:
+    return ctx.compute_dtype.itemsize == 2
+
+
+def feeds_float32(jaxpr: Any, ctx: Context) -> frozenset[Any]:
+    """Variables that elementwise float32 rules consume (the shift before a softmax's exp)."""
+    if not _regions_on(ctx):
+        return frozenset()
+    return frozenset(
+        v
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name in regions.ELEMENTWISE and decide(eqn, ctx) in regions.WIDENING
+        for v in eqn.invars
+        if not isinstance(v, _compat.Literal)
+    )
 
 
 def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
@@ -223,12 +248,25 @@ def _implicitly_spread(eqn: Any, kinds: Sequence[int]) -> Sequence[int]:
 _WIDE_RULES = frozenset({use_full_precision, use_original_precision})
 
 
-def apply_first_order(eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context) -> Any:
-    """Decides, casts and binds one first-order equation."""
+def apply_first_order(
+    eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context, feeds: frozenset = frozenset()
+) -> Any:
+    """Decides, casts and binds one first-order equation (or gathers it into a wide region,
+    see :mod:`autocast.regions`). ``feeds`` holds the variables float32 rules consume."""
     original = [v.aval.dtype for v in eqn.invars]
     if RAW in kinds and eqn.primitive.name in _IMPLICIT_BROADCAST:
         kinds = _implicitly_spread(eqn, kinds)
     rule = decide(eqn, ctx)
+    if _regions_on(ctx):
+        data = [k in (STRONG, RAW) for k in kinds]
+        nodes = [_as_region_input(x, ctx) for x in invals]
+        out = regions.gather(eqn, nodes, data, rule, ctx, eqn.outvars[0] in feeds)
+        if out is not None:
+            return out
+        if any(isinstance(x, regions.Wide) for x in invals):
+            # meeting a float32 stream, a region's value leaves it in float32
+            stream32, _ = regions.float32_inputs(eqn, invals, data)
+            invals = [regions.settle(x, np.float32 if stream32 else None) for x in invals]
     if WEAK in kinds or SPREAD in kinds:
         if rule in _WIDE_RULES:
             invals = [_materialized(x) for x in invals]
@@ -259,7 +297,16 @@ def eval_jaxpr(
     ``arg_kinds`` gives the kind of each argument (default: all RAW, the function's inputs).
     """
     with cast_memo():
-        return _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds)
+        outs, _ = _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds)
+        return [_materialized(x) for x in outs]
+
+
+def _inlined(eqn: Any, ctx: Context) -> bool:
+    """Whether to evaluate a ``jax.jit`` call in place. With 16-bit compute, a plain one is:
+    a layer norm's ``jnp.var``, an embedding's ``jnp.take`` or a ``jax.nn`` activation then
+    joins the wide regions and value kinds around it, as if it had not been jitted (XLA
+    inlines such calls anyway)."""
+    return eqn.primitive.name in _compat.JIT_NAMES and _regions_on(ctx) and _compat.is_plain_jit(eqn)
 
 
 def _eval_jaxpr(
@@ -268,11 +315,13 @@ def _eval_jaxpr(
     args: Sequence[Any],
     ctx: Context,
     arg_kinds: Sequence[int] | None,
-) -> list[Any]:
+) -> tuple[list[Any], list[int]]:
+    """The outputs of ``jaxpr`` (deferred and wide values not yet emitted) and their kinds."""
     from autocast.higher_order import handler_for
 
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
+    feeds = feeds_float32(jaxpr, ctx)
     for var, value in zip(jaxpr.constvars, consts):
         env[var] = value
         kind_of[var] = RAW
@@ -290,16 +339,28 @@ def _eval_jaxpr(
             else:
                 invals.append(env[var])
                 kinds.append(kind_of[var])
+        if _inlined(eqn, ctx):
+            inner = eqn.params["jaxpr"]
+            outs, out_kinds = _eval_jaxpr(inner.jaxpr, inner.consts, invals, ctx.enter(eqn), kinds)
+            for var, value, k in zip(eqn.outvars, outs, out_kinds):
+                if not _compat.is_drop_var(var):
+                    env[var], kind_of[var] = value, k
+            continue
         kind = output_kind(eqn.primitive.name, invals, kinds)
         handler = handler_for(eqn, ctx)
-        if handler is None and kind in ADAPTABLE and eqn.primitive.name == _BROADCAST:
+        if (
+            handler is None
+            and kind in ADAPTABLE
+            and eqn.primitive.name == _BROADCAST
+            and not isinstance(invals[0], regions.Wide)
+        ):
             if decide(eqn, ctx) is use_input_precision:
                 env[eqn.outvars[0]] = Deferred(eqn, invals[0])
                 kind_of[eqn.outvars[0]] = kind
                 continue
         with _compat.equation_context(eqn):
             if handler is None:
-                outs = apply_first_order(eqn, invals, kinds, ctx)
+                outs = apply_first_order(eqn, invals, kinds, ctx, feeds)
             else:
                 outs = handler(eqn, [_materialized(x) for x in invals], kinds, ctx)
         if not eqn.primitive.multiple_results:
@@ -310,7 +371,6 @@ def _eval_jaxpr(
             env[var] = value
             kind_of[var] = kind
 
-    return [
-        _compat.literal_value(v) if isinstance(v, _compat.Literal) else _materialized(env[v])
-        for v in jaxpr.outvars
-    ]
+    outs = [_compat.literal_value(v) if isinstance(v, _compat.Literal) else env[v] for v in jaxpr.outvars]
+    out_kinds = [WEAK if isinstance(v, _compat.Literal) else kind_of[v] for v in jaxpr.outvars]
+    return outs, out_kinds

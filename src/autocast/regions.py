@@ -1,0 +1,293 @@
+"""Wide regions: elementwise work on a narrowed activation, done in float32, stored in 16 bits.
+
+A normalisation mixes a 16-bit activation with float32 statistics (``(x - mean) *
+rsqrt(var)``); a softmax shifts, exponentiates and divides; a GELU multiplies an activation
+by an ``erf`` of it. Done one equation at a time, such work either runs in 16 bits (losing
+the precision the float32 rule was there for) or widens the activation stream to float32 for
+every operation after it, and ``jax.vjp`` then keeps float32 copies of whole activations for
+the backward pass.
+
+Here such work is instead gathered, equation by equation, into a :class:`Wide` value (nothing
+is emitted yet). When something that is not elementwise needs the value (a matrix product, a
+loop, a function output), the gathered equations are emitted together as one
+``jax.checkpoint`` region that replays the *original program's* float32 arithmetic on its
+inputs and stores the result in the activation's 16-bit dtype, as cuDNN's batch norm does.
+Reductions and the arithmetic on their results join the region too (a layer norm's mean,
+variance and output are one region, reading the activation once); a statistic that leaves
+a region leaves it in float32. Because the
+region is a checkpoint, its backward pass recomputes the float32 intermediates from the
+region's inputs: the only residuals are the 16-bit activation and the small statistics. On a
+GPU, XLA fuses the region into one pass over the activation.
+
+Under float16 a result is stored in 16 bits only where its range allows: a region that
+computed ``exp``, a square, a reciprocal of an activation or a product of two activations
+keeps float32 (a matrix product that consumes it casts it down anyway, and keeps only its
+16-bit cast).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from autocast import _compat
+from autocast.rules import (
+    _castable,
+    cast_memo,
+    cast_value,
+    use_full_precision,
+    use_input_precision,
+    use_input_precision_for_casts,
+    use_precision_by_exponent,
+    use_widest_precision,
+)
+
+_F32 = np.dtype(np.float32)
+
+# Elementwise primitives a region may hold.
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "select_n", "clamp",
+    "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erfc", "sqrt", "rsqrt",
+    "cbrt", "square", "integer_pow", "pow", "sin", "cos",
+})
+# Data movement a region may carry on through once it has started (never starts one).
+MOVEMENT = frozenset({
+    "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type",
+    "slice", "dynamic_slice", "gather", "stop_gradient",
+})
+# Reductions end a region with a float32 statistic.
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
+# The default policy's rules a region may stand in for; a policy that names another rule
+# for an equation (amp_stop, a user's own) is followed as it is.
+CHAINABLE = frozenset({
+    use_input_precision, use_widest_precision, use_full_precision, use_precision_by_exponent,
+    use_input_precision_for_casts,
+})
+# Rules under which an equation would compute in float32 on a 16-bit activation.
+WIDENING = frozenset({use_full_precision})
+_INPUT_EXPONENTS = frozenset({-3, -1, 0, 1, 3})
+# Results that may exceed float16's range (65504) or come near zero's reciprocal.
+_RANGE_UNSAFE = frozenset({"exp", "exp2", "expm1", "pow", "square", "rsqrt", "sinh", "cosh"})
+
+
+def _size(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+class Wide:
+    """One equation of the original program, to be evaluated in its own (float32) dtypes on
+    arguments that are other :class:`Wide` values or concrete values (the region's inputs).
+
+    ``stream`` is the 16-bit dtype the result is stored in when it leaves the region; None
+    for a broadcast of a parameter or constant replayed inside a region (see :func:`replay`).
+    """
+
+    __slots__ = ("eqn", "args", "rule", "stream", "unsafe", "full", "ctx", "dtype", "shape", "_made")
+
+    def __init__(self, eqn: Any, args: Sequence[Any], rule: Any, stream: Any, ctx: Any) -> None:
+        self.eqn = eqn
+        self.args = tuple(args)
+        self.rule = rule
+        self.stream = None if stream is None else np.dtype(stream)
+        self.ctx = ctx
+        aval = eqn.outvars[0].aval
+        self.dtype, self.shape = aval.dtype, aval.shape
+        # an activation (some input is one, at the result's size), or a statistic of one
+        self.full = eqn.primitive.name not in REDUCTIONS and any(
+            _is_full(a, self.shape) if not isinstance(a, Wide) else a.full for a in self.args
+        )
+        # a statistic leaves its region in float32, so only an activation can be out of range
+        self.unsafe = self.full and _is_range_unsafe(eqn, self.args)
+        self._made: dict[Any, Any] = {}
+
+    @property
+    def narrow_dtype(self) -> np.dtype:
+        """The dtype this value leaves its region in: an activation's 16-bit stream dtype
+        where its range allows, float32 for a statistic."""
+        if not self.full or (self.stream == np.dtype(np.float16) and self.unsafe):
+            return self.dtype
+        return self.stream
+
+    def materialize(self, dtype: Any = None) -> Any:
+        """Emits the region computing this value, stored in ``dtype`` (default: narrow)."""
+        dtype = np.dtype(self.narrow_dtype if dtype is None else dtype)
+        made = self._made.get(dtype)
+        if made is None:
+            made = self._made[dtype] = _emit(self, dtype)
+        return made
+
+
+def save_nothing(*_: Any, **__: Any) -> bool:
+    """The checkpoint policy of a wide region: its backward recomputes everything from the
+    region's inputs. A function of its own, so measures can tell amp's regions apart."""
+    return False
+
+
+def _is_full(arg: Any, shape: Sequence[int]) -> bool:
+    """Whether ``arg`` is data the size of the result (not a constant, statistic or broadcast)."""
+    if _is_constant(arg):
+        return False
+    if isinstance(arg, Wide):
+        return arg.stream is not None and tuple(arg.shape) == tuple(shape)
+    return tuple(np.shape(arg)) == tuple(shape)
+
+
+def _is_range_unsafe(eqn: Any, args: Sequence[Any]) -> bool:
+    """Whether float16 may not hold this activation: it, or one it is computed from, may
+    overflow or come close to a reciprocal of zero."""
+    if any(isinstance(a, Wide) and a.unsafe for a in args):
+        return True
+    name = eqn.primitive.name
+    shape = eqn.outvars[0].aval.shape
+    if name in _RANGE_UNSAFE:
+        return True
+    if name == "integer_pow":
+        return eqn.params["y"] not in _INPUT_EXPONENTS or eqn.params["y"] < 0
+    if name == "div":
+        return _is_full(args[1], shape)  # 1/x of an activation; a statistic only rescales
+    if name == "mul":
+        return _is_full(args[0], shape) and _is_full(args[1], shape)
+    return False
+
+
+def _leaves(node: Wide, found: dict[int, Any], seen: set[int]) -> None:
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    for arg in node.args:
+        if isinstance(arg, Wide):
+            _leaves(arg, found, seen)
+        elif not _is_constant(arg):
+            found.setdefault(id(arg), arg)
+
+
+def _is_constant(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, int, float, bool))
+
+
+def _emit(root: Wide, dtype: np.dtype) -> Any:
+    found: dict[int, Any] = {}
+    _leaves(root, found, set())
+    ids = list(found)
+    position = {key: i for i, key in enumerate(ids)}
+
+    def region(*values: Any) -> Any:
+        with cast_memo():
+            done: dict[int, Any] = {}
+
+            def evaluate(node: Wide) -> Any:
+                hit = done.get(id(node))
+                if hit is not None:
+                    return hit
+                ins = []
+                for arg, var in zip(node.args, node.eqn.invars):
+                    original = var.aval.dtype
+                    if isinstance(arg, Wide):
+                        value = evaluate(arg)
+                    else:
+                        value = arg if _is_constant(arg) else values[position[id(arg)]]
+                    ins.append(cast_value(value, original) if _castable(value, original) else value)
+                with _compat.equation_context(node.eqn):
+                    out = _compat.bind_equation(node.eqn, ins, node.eqn.params)
+                if node.ctx.observer is not None:
+                    node.ctx.observer(node.eqn, node.rule, ins, out, node.ctx.scopes)
+                done[id(node)] = out
+                return out
+
+            out = evaluate(root)
+            return cast_value(out, dtype) if _castable(out, dtype) else out
+
+    return jax.checkpoint(region, prevent_cse=False, policy=save_nothing)(*(found[k] for k in ids))
+
+
+def replay(eqn: Any, operand: Any, ctx: Any) -> Wide:
+    """A broadcast not yet emitted, to be replayed inside a region: a region then keeps the
+    small operand as its input, not the broadcast value."""
+    return Wide(eqn, [operand], use_input_precision, None, ctx)
+
+
+def settle(x: Any, dtype: Any = None) -> Any:
+    """``x``, emitted if it is a :class:`Wide` value (in ``dtype``, default its narrow one)."""
+    return x.materialize(dtype) if isinstance(x, Wide) else x
+
+
+def _narrowed(x: Any, var: Any) -> bool:
+    """Whether ``x`` is a 16-bit value the program had in float32."""
+    if isinstance(x, Wide) or _is_constant(x):
+        return False
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and np.dtype(dtype).itemsize == 2 and var.aval.dtype == _F32
+
+
+def _activation_dtype(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> Any:
+    """The 16-bit dtype of a full-size data input amp narrowed from the program's float32."""
+    shape = tuple(eqn.outvars[0].aval.shape)
+    for x, var, yes in zip(invals, eqn.invars, data):
+        if yes and _narrowed(x, var) and tuple(np.shape(x)) == shape:
+            return np.dtype(x.dtype)
+    return None
+
+
+def float32_inputs(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> tuple[bool, bool]:
+    """Whether a float32 data input of ``eqn`` is full-size (a float32 stream), and whether
+    one is smaller than the result (a statistic broadcast over it)."""
+    shape = tuple(eqn.outvars[0].aval.shape)
+    stream = statistic = False
+    for x, yes in zip(invals, data):
+        if not yes or isinstance(x, Wide) or _is_constant(x):
+            continue
+        if getattr(x, "dtype", None) == _F32:
+            if tuple(np.shape(x)) == shape:
+                stream = True
+            else:
+                statistic = True
+    return stream, statistic
+
+
+def gather(
+    eqn: Any, invals: Sequence[Any], data: Sequence[bool], rule: Any, ctx: Any, feeds_wide: bool
+) -> Any:
+    """Gathers ``eqn`` into a region, or ends one; None where ``eqn`` runs as usual.
+
+    ``data`` marks the inputs that are data rather than constants or broadcast parameters
+    (the interpreter's STRONG and RAW values). ``feeds_wide`` says the result goes on into
+    a float32 rule (the shift of a softmax before its ``exp``).
+    """
+    if rule not in CHAINABLE or eqn.primitive.multiple_results:
+        return None
+    if eqn.outvars[0].aval.dtype != _F32:
+        return None
+    name = eqn.primitive.name
+    wide = [x for x in invals if isinstance(x, Wide) and x.stream is not None]
+    stream32, statistic = float32_inputs(eqn, invals, data)
+    if wide:
+        if stream32:
+            return None
+        if name == "convert_element_type" and eqn.params["new_dtype"] != eqn.invars[0].aval.dtype:
+            return None  # a cast the program wrote is kept; the region ends before it
+        if name in ELEMENTWISE or name in MOVEMENT or name in REDUCTIONS:
+            return Wide(eqn, invals, rule, wide[0].stream, ctx)
+        return None
+    if name in REDUCTIONS:
+        # a statistic of an activation: computed from the float32 value the region that
+        # normalises the activation reads anyway, so the activation is cast once
+        x = invals[0]
+        if data[0] and _narrowed(x, eqn.invars[0]):
+            return Wide(eqn, invals, rule, x.dtype, ctx)
+        return None
+    if name not in ELEMENTWISE or stream32:
+        return None
+    stream = _activation_dtype(eqn, invals, data)
+    if stream is None:
+        return None
+    widens = (
+        rule in WIDENING
+        or statistic
+        or (rule is use_precision_by_exponent and eqn.params.get("y") not in _INPUT_EXPONENTS)
+        or (name == "div" and _is_full(invals[1], eqn.outvars[0].aval.shape))  # 1/x
+    )
+    if widens or feeds_wide:
+        return Wide(eqn, invals, rule, stream, ctx)
+    return None

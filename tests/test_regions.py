@@ -1,0 +1,147 @@
+"""Wide regions: float32 arithmetic on narrowed activations, 16-bit storage, 16-bit residuals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autocast
+from autocast import _measure, regions
+from conftest import eqns_named, jaxpr_of, operand_dtypes
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+KEY = jax.random.key(0)
+W = jax.random.normal(KEY, (64, 64)) / 8
+X = jax.random.normal(jax.random.fold_in(KEY, 1), (16, 64))
+
+
+def layer_norm_mlp(w, x):
+    h = x @ w
+    mean = jnp.mean(h, -1, keepdims=True)
+    var = jnp.var(h, -1, keepdims=True)
+    h = (h - mean) * jax.lax.rsqrt(var + 1e-5)
+    return jnp.sum(jnp.tanh(h @ w) ** 2)
+
+
+def _regions(jaxpr):
+    return [e for e in _measure.equations(jaxpr) if e.params.get("policy") is regions.save_nothing]
+
+
+def test_a_normalisation_runs_in_float32_and_leaves_in_16_bits():
+    jaxpr = jaxpr_of(autocast.amp(layer_norm_mlp, compute_dtype=BF16), W, X)
+    region, _ = _regions(jaxpr)  # the layer norm; then tanh(...) ** 2, ending in its sum
+    inner = region.params["jaxpr"]
+    assert [v.aval.dtype for v in region.invars][0] == jnp.dtype(BF16)  # the activation, once
+    assert {d for ds in operand_dtypes(inner, "sub") for d in ds} == {"float32"}
+    assert [v.aval.dtype for v in region.outvars] == [jnp.dtype(BF16)]
+    assert operand_dtypes(jaxpr, "dot_general") == [("bfloat16", "bfloat16")] * 2
+
+
+def test_residuals_are_16_bit_activations_and_small_statistics():
+    amp_fn = autocast.amp(layer_norm_mlp, compute_dtype=BF16)
+    residuals = jax.make_jaxpr(lambda w, x: jax.tree_util.tree_leaves(jax.vjp(amp_fn, w, x)[1]))(W, X)
+    full_f32 = [v for v in residuals.jaxpr.outvars if v.aval.dtype == F32 and v.aval.shape == X.shape]
+    assert full_f32 == []
+    assert _measure.residual_bytes(amp_fn, W, X, include_inputs=False) <= 0.8 * _measure.residual_bytes(
+        layer_norm_mlp, W, X, include_inputs=False
+    )
+
+
+def test_regions_keep_gradients_close_to_float32_on_both_sides_of_grad():
+    ref = jax.grad(layer_norm_mlp)(W, X)
+    for g in (jax.grad(autocast.amp(layer_norm_mlp, compute_dtype=BF16)), autocast.amp(jax.grad(layer_norm_mlp), compute_dtype=BF16)):
+        got = g(W, X)
+        assert got.dtype == F32
+        assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 0.05
+
+
+def test_float32_compute_and_programs_own_16_bit_ops_make_no_region():
+    assert _regions(jaxpr_of(autocast.amp(layer_norm_mlp, compute_dtype=F32), W, X)) == []
+    own = lambda w, x: layer_norm_mlp(w.astype(BF16), x.astype(BF16)).astype(F32)  # noqa: E731
+    assert _regions(jaxpr_of(autocast.amp(own, compute_dtype=BF16), W, X)) == []
+
+
+def test_a_float32_stream_is_not_narrowed():
+    # x stays float32 (a function input of full size): h16 + x comes out float32
+    fn = lambda w, x: jnp.sum(jnp.exp(x @ w) + x)  # noqa: E731
+    jaxpr = jaxpr_of(autocast.amp(fn, compute_dtype=BF16), W, X)
+    assert ("float32", "float32") in operand_dtypes(jaxpr, "add")
+
+
+# --- float16: the cases PyTorch keeps in float32 ------------------------------------------
+
+def _rms(x, w):
+    h = x @ w
+    return (h * jax.lax.rsqrt(jnp.mean(h**2, -1, keepdims=True) + 1e-6)) @ w
+
+
+def _mse_rows(x, w):
+    h = x @ w
+    return jnp.mean((h - (h + 300.0)) ** 2, -1)
+
+
+def _reciprocal(x, w):
+    return 1.0 / (x @ w)
+
+
+def _softmax(x, w):
+    return jax.nn.softmax(x @ w, -1) @ w
+
+
+_OUTLIERS = jnp.concatenate([jnp.full((8, 6), 300.0), jax.random.normal(KEY, (8, 294))], axis=1)
+_LOG_UNIFORM = jnp.exp(jax.random.uniform(KEY, (8, 300), minval=np.log(1e-3), maxval=np.log(1e2)))
+
+
+@pytest.mark.parametrize(
+    "fn, x",
+    [(_rms, _OUTLIERS), (_mse_rows, _OUTLIERS), (_reciprocal, _LOG_UNIFORM), (_softmax, _OUTLIERS * 0.01)],
+    ids=["rmsnorm", "mse", "reciprocal", "softmax"],
+)
+def test_float16_unsafe_ops_stay_finite_where_float32_is(fn, x):
+    w = jnp.eye(300)
+    ref = fn(x, w)
+    out = autocast.amp(fn, compute_dtype=F16)(x, w)
+    assert out.dtype == ref.dtype
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert not bool(jnp.any((out == 0) & (ref != 0)))
+    assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1e-2
+
+
+# --- policy rows ----------------------------------------------------------------------------
+
+def test_stack_of_two_16_bit_activations_stays_16_bit():
+    fn = lambda w, x: jnp.stack([x @ w, x @ w * 2]).sum(0) @ w  # noqa: E731
+    jaxpr = jaxpr_of(autocast.amp(fn, compute_dtype=BF16), W, X)
+    joins = operand_dtypes(jaxpr, "stack") + operand_dtypes(jaxpr, "concatenate")  # by JAX version
+    assert joins and all(set(d) == {"bfloat16"} for d in joins)
+    assert operand_dtypes(jaxpr, "dot_general")[-1] == ("bfloat16", "bfloat16")
+
+
+def test_bfloat16_values_are_never_cast_sideways_to_float16():
+    x = jnp.full((4, 4), 300.0, BF16)
+    w = jnp.full((4, 4), 0.6, BF16)
+    out = autocast.amp(lambda x, w: x @ w, compute_dtype=F16)(x, w)
+    assert out.dtype == BF16 and bool(jnp.all(jnp.isfinite(out)))
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def test_a_16_bit_partial_sum_travels_in_16_bits():
+    P = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((1,), ("i",))
+
+    def local(w, x):
+        return jax.lax.psum(x @ w, "i") @ w
+
+    fn = _shard_map(local, mesh, (P(), P()), P())
+    jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16), W, X)
+    sums = operand_dtypes(jaxpr, "psum") + operand_dtypes(jaxpr, "psum_invariant")  # by JAX version
+    assert sums == [("bfloat16",)]
