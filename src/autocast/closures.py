@@ -74,7 +74,8 @@ def _is_wrapper(x: Any) -> bool:
     return isinstance(x, (CustomVJPPrimal, SymbolicZero))
 
 
-def _instantiate(x: Any) -> Any:
+def instantiate(x: Any) -> Any:
+    """A symbolic zero as the array of zeros it stands for; anything else as it is."""
     return jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero) else x
 
 
@@ -199,10 +200,6 @@ def _positional(fun: Callable[..., Any], args: tuple, kwargs: dict) -> tuple | N
     return None if bound.kwargs else tuple(bound.args)
 
 
-def _spec(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-
-
 def _tangent_spec(x: Any) -> Any:
     dtype = x.dtype if is_inexact_dtype(x.dtype) else jax.dtypes.float0
     return jax.ShapeDtypeStruct(np.shape(x), dtype)
@@ -256,31 +253,36 @@ def _vjp_closure_for(self: Any, args: tuple, perturbed: Callable[[Any], bool] | 
     return _closed_over(fwd_jaxpr, bwd_jaxpr)
 
 
-def _closure_or_none(find: Callable[[Any, tuple], list[Any]], self: Any, args: tuple) -> list[Any]:
-    """``find(self, args)``, or nothing when a rule cannot be traced at these arguments.
-
-    Such a rule is left as the user wrote it: JAX itself then says what is wrong with it.
-    """
+def _hoist(
+    self: Any, args: tuple, kwargs: dict, rules: Any, find: Callable[[Any, tuple], list[Any]]
+) -> tuple[tuple, list[Any]] | None:
+    """The call's positional arguments and the traced values its ``rules`` close over (as
+    ``find(self, args)`` finds them), or None where there are none and the call is left as
+    the user wrote it: also when a rule cannot be traced at these arguments, so that JAX
+    itself says what is wrong with it."""
+    positional = _positional(self.fun, args, kwargs)
+    if positional is None or not _may_hold_tracer(rules):
+        return None
     try:
         with rewriting(False):
-            return find(self, args)
+            hoisted = find(self, positional)
     except Exception:
-        return []
+        return None
+    return (positional, hoisted) if hoisted else None
+
+
+def _without_closure(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` taking the hoisted values as a leading argument it does not use."""
+    return lambda closure, *xs: fun(*xs)
 
 
 def _rewrite_vjp(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    positional = _positional(self.fun, args, kwargs)
-    if positional is None or not _may_hold_tracer((self.fwd, self.bwd)):
+    found = _hoist(self, args, kwargs, (self.fwd, self.bwd), _vjp_closure)
+    if found is None:
         return original(self, *args, **kwargs)
-    hoisted = _closure_or_none(_vjp_closure, self, positional)
-    if not hoisted:
-        return original(self, *args, **kwargs)
-
+    positional, hoisted = found
     nondiff = tuple(self.nondiff_argnums)
     user_symbolic = self.symbolic_zeros
-
-    def fun(closure: Any, *xs: Any) -> Any:
-        return self.fun(*xs)
 
     def fwd(closure: Any, *xs: Any) -> Any:
         if any(p.perturbed for p in closure):
@@ -297,11 +299,12 @@ def _rewrite_vjp(self: Any, original: Callable[..., Any], args: tuple, kwargs: d
     def bwd(*xs: Any) -> tuple:
         *statics, (values, res), cts = xs
         if not user_symbolic:
-            cts = jax.tree_util.tree_map(_instantiate, cts, is_leaf=_is_wrapper)
+            cts = jax.tree_util.tree_map(instantiate, cts, is_leaf=_is_wrapper)
         grads = _call_swapped(self.bwd, [*statics, res, cts], hoisted, values)
         return (None, *grads)
 
-    rewritten = jax.custom_vjp(fun, nondiff_argnums=tuple(i + 1 for i in nondiff))
+    shifted = tuple(i + 1 for i in nondiff)
+    rewritten = jax.custom_vjp(_without_closure(self.fun), nondiff_argnums=shifted)
     rewritten.defvjp(fwd, bwd, symbolic_zeros=True)
     return original(rewritten, tuple(hoisted), *positional)
 
@@ -322,19 +325,13 @@ def _jvp_closure(self: Any, args: tuple) -> list[Any]:
 
 
 def _rewrite_jvp(self: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    positional = _positional(self.fun, args, kwargs)
-    jvp = getattr(self, "jvp", None)
-    if positional is None or jvp is None or not _may_hold_tracer(jvp):
+    rule = getattr(self, "jvp", None)
+    found = None if rule is None else _hoist(self, args, kwargs, rule, _jvp_closure)
+    if found is None:
         return original(self, *args, **kwargs)
-    hoisted = _closure_or_none(_jvp_closure, self, positional)
-    if not hoisted:
-        return original(self, *args, **kwargs)
-
+    positional, hoisted = found
     nondiff = tuple(self.nondiff_argnums)
     user_symbolic = self.symbolic_zeros
-
-    def fun(closure: Any, *xs: Any) -> Any:
-        return self.fun(*xs)
 
     def jvp(*xs: Any) -> Any:
         *statics, primals, tangents = xs
@@ -343,10 +340,11 @@ def _rewrite_jvp(self: Any, original: Callable[..., Any], args: tuple, kwargs: d
             raise _closure_error("custom_jvp", self.fun)
         tangents = tuple(tangents[1:])
         if not user_symbolic:
-            tangents = jax.tree_util.tree_map(_instantiate, tangents, is_leaf=_is_wrapper)
+            tangents = jax.tree_util.tree_map(instantiate, tangents, is_leaf=_is_wrapper)
         return _call_swapped(self.jvp, [*statics, primals, tangents], hoisted, list(closure))
 
-    rewritten = jax.custom_jvp(fun, nondiff_argnums=tuple(i + 1 for i in nondiff))
+    shifted = tuple(i + 1 for i in nondiff)
+    rewritten = jax.custom_jvp(_without_closure(self.fun), nondiff_argnums=shifted)
     rewritten.defjvp(jvp, symbolic_zeros=True)
     return original(rewritten, tuple(hoisted), *positional)
 

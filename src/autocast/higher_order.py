@@ -18,6 +18,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from autocast import _compat
+from autocast.closures import instantiate, traced_call
 from autocast._tree import is_array, is_inexact_dtype
 from autocast.interpreter import SPREAD, STRONG, Context, decide_by_scope, eval_jaxpr
 from autocast.retrace import (
@@ -251,10 +252,6 @@ def _once_per_equation(build: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
-def _instantiate(x: Any) -> Any:
-    return jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero) else x
-
-
 def _split(perturbed: Sequence[bool], values: Sequence[Any]) -> tuple[list, Callable[[Sequence[Any]], list]]:
     """The perturbed ``values``, and how to put them back among the others."""
     moving = [x for x, p in zip(values, perturbed) if p]
@@ -388,7 +385,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     def fn_bwd(residuals: list, cotangents: list) -> tuple:
         perturbed = pattern[-1]
         _, bwd_jaxpr, _ = _custom_vjp_rule_jaxprs(eqn, perturbed)
-        cotangents = [_instantiate(c) for c in cotangents]
+        cotangents = [instantiate(c) for c in cotangents]
         cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *cotangents], inner))
         return tuple(
             cast_value(next(cts), x.dtype) if p else None for x, p in zip(args, perturbed)
@@ -404,8 +401,6 @@ def _custom_lin(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     program is transposed, long after amp has evaluated it, so it is re-bound with a backward
     rule that runs the user's under the policy. Each cotangent comes back in the dtype its
     tangent input has here, as the transpose of the rest of the program expects."""
-    from autocast.closures import traced_call
-
     p = eqn.params
     bwd = p["bwd"]
     inner = ctx.enter(eqn)
@@ -416,24 +411,15 @@ def _custom_lin(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
         for zero in (in_zeros if in_zeros is not None else [False] * (len(invals) - p["num_res"]))
     ]
 
-    # The user's backward rule was traced against the residuals' original dtypes.
-    res_dtypes = [v.aval.dtype for v in eqn.invars[: p["num_res"]]]
+    n_res = p["num_res"]
 
     def amp_bwd(*args: Any) -> Any:
-        args = tuple(
-            cast_value(x, d) if i < len(res_dtypes) and is_array(x) and _castable(x, d) else x
-            for i, (x, d) in enumerate(zip(args, [*res_dtypes, *[None] * len(args)]))
-        )
+        # the user's rule was traced against the residuals' recorded dtypes
+        args = (*_recorded_dtypes(eqn.invars[:n_res], args[:n_res]), *args[n_res:])
         closed, rebuild, values = traced_call(bwd.call_wrapped, args)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, values, inner)
-        cts = rebuild([
-            cast_value(x, a.dtype) if _castable(x, a.dtype) else x
-            for x, a in zip(outs, closed.out_avals)
-        ])
-        return [
-            cast_value(c, d) if d is not None and is_array(c) and _castable(c, d) else c
-            for c, d in zip(cts, [*targets, *[None] * (len(cts) - len(targets))])
-        ]
+        cts = rebuild(_cast_to(outs, [a.dtype for a in closed.out_avals]))
+        return _cast_to(cts, [*targets, *[None] * (len(cts) - len(targets))])
 
     return _compat.bind_equation(eqn, invals, {**p, "bwd": _compat.rewrap(bwd, amp_bwd)})
 
@@ -489,14 +475,20 @@ def _bind_in_original_precision(
     """Bound exactly as recorded, on inputs cast back to their recorded dtypes: linear solves
     and reductions with a computation of their own (SPEC 3.4 keeps linear algebra out of 16
     bits), and any higher-order equation under a scope that asks for original precision."""
-    return _compat.bind_equation(eqn, _recorded_dtypes(eqn, invals), eqn.params)
+    return _compat.bind_equation(eqn, _recorded_dtypes(eqn.invars, invals), eqn.params)
 
 
-def _recorded_dtypes(eqn: Any, invals: list) -> list:
+def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list:
+    """Each floating array of ``values`` in its dtype of ``dtypes`` (None: left as it is)."""
     return [
-        cast_value(x, v.aval.dtype) if _castable(x, v.aval.dtype) else x
-        for x, v in zip(invals, eqn.invars)
+        cast_value(x, d) if d is not None and is_array(x) and _castable(x, d) else x
+        for x, d in zip(values, dtypes)
     ]
+
+
+def _recorded_dtypes(invars: Sequence[Any], values: Sequence[Any]) -> list:
+    """``values`` in the dtypes the jaxpr recorded for ``invars``."""
+    return _cast_to(values, [v.aval.dtype for v in invars])
 
 
 def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
@@ -521,7 +513,7 @@ def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequ
         return value
 
     params = {k: retyped(v) for k, v in eqn.params.items()}
-    return _compat.bind_equation(eqn, _recorded_dtypes(eqn, invals), params)
+    return _compat.bind_equation(eqn, _recorded_dtypes(eqn.invars, invals), params)
 
 
 HANDLERS: dict[str, Handler] = {

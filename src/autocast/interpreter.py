@@ -28,7 +28,7 @@ Every value has a kind that says how much its dtype should count:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Container, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -168,17 +168,26 @@ def _regions_on(ctx: Context) -> bool:
     return ctx.compute_dtype.itemsize == 2
 
 
-def feeds_float32(jaxpr: Any, ctx: Context) -> frozenset[Any]:
-    """Variables that elementwise float32 rules consume (the shift before a softmax's exp)."""
-    if not _regions_on(ctx):
-        return frozenset()
-    return frozenset(
-        v
-        for eqn in jaxpr.eqns
-        if eqn.primitive.name in regions.ELEMENTWISE and decide(eqn, ctx) in regions.WIDENING
-        for v in eqn.invars
-        if not isinstance(v, _compat.Literal)
-    )
+class _FeedsFloat32:
+    """The variables of a jaxpr that its elementwise float32 rules consume (the shift before
+    a softmax's ``exp``). Found on the first question, as most jaxprs never ask one."""
+
+    __slots__ = ("_jaxpr", "_ctx", "_vars")
+
+    def __init__(self, jaxpr: Any, ctx: Context) -> None:
+        self._jaxpr, self._ctx, self._vars = jaxpr, ctx, None
+
+    def __contains__(self, var: Any) -> bool:
+        if self._vars is None:
+            self._vars = frozenset(
+                v
+                for eqn in self._jaxpr.eqns
+                if eqn.primitive.name in regions.ELEMENTWISE
+                and decide(eqn, self._ctx) in regions.WIDENING
+                for v in eqn.invars
+                if not isinstance(v, _compat.Literal)
+            )
+        return var in self._vars
 
 
 def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
@@ -249,7 +258,7 @@ _WIDE_RULES = frozenset({use_full_precision, use_original_precision})
 
 
 def apply_first_order(
-    eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context, feeds: frozenset = frozenset()
+    eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context, feeds: Container[Any] = ()
 ) -> Any:
     """Decides, casts and binds one first-order equation (or gathers it into a wide region,
     see :mod:`autocast.regions`). ``feeds`` holds the variables float32 rules consume."""
@@ -258,15 +267,19 @@ def apply_first_order(
         kinds = _implicitly_spread(eqn, kinds)
     rule = decide(eqn, ctx)
     if _regions_on(ctx):
-        data = [k in (STRONG, RAW) for k in kinds]
-        nodes = [_as_region_input(x, ctx) for x in invals]
-        out = regions.gather(eqn, nodes, data, rule, ctx, eqn.outvars[0] in feeds)
-        if out is not None:
-            return out
-        if any(isinstance(x, regions.Wide) for x in invals):
-            # meeting a float32 stream, a region's value leaves it in float32
-            stream32, _ = regions.float32_inputs(eqn, invals, data)
-            invals = [regions.settle(x, np.float32 if stream32 else None) for x in invals]
+        gatherable = regions.may_gather(eqn, rule)
+        wide_in = any(isinstance(x, regions.Wide) for x in invals)
+        if gatherable or wide_in:
+            data = [k in (STRONG, RAW) for k in kinds]
+            if gatherable:
+                nodes = [_as_region_input(x, ctx) for x in invals]
+                out = regions.gather(eqn, nodes, data, rule, ctx, lambda: eqn.outvars[0] in feeds)
+                if out is not None:
+                    return out
+            if wide_in:
+                # meeting a float32 stream, a region's value leaves it in float32
+                stream32, _ = regions.float32_inputs(eqn, invals, data)
+                invals = [regions.settle(x, np.float32 if stream32 else None) for x in invals]
     if WEAK in kinds or SPREAD in kinds:
         if rule in _WIDE_RULES:
             invals = [_materialized(x) for x in invals]
@@ -321,7 +334,7 @@ def _eval_jaxpr(
 
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
-    feeds = feeds_float32(jaxpr, ctx)
+    feeds = _FeedsFloat32(jaxpr, ctx)
     for var, value in zip(jaxpr.constvars, consts):
         env[var] = value
         kind_of[var] = RAW

@@ -27,13 +27,14 @@ keeps float32 (a matrix product that consumes it casts it down anyway, and keeps
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from autocast import _compat
 from autocast.rules import (
+    _INPUT_PRECISION_EXPONENTS,
     _castable,
     cast_memo,
     cast_value,
@@ -57,8 +58,8 @@ MOVEMENT = frozenset({
     "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type",
     "slice", "dynamic_slice", "gather", "stop_gradient",
 })
-# Reductions end a region with a float32 statistic.
-REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
+# Reductions of an activation start or join a region; their results are statistics.
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 # The default policy's rules a region may stand in for; a policy that names another rule
 # for an equation (amp_stop, a user's own) is followed as it is.
 CHAINABLE = frozenset({
@@ -67,13 +68,9 @@ CHAINABLE = frozenset({
 })
 # Rules under which an equation would compute in float32 on a 16-bit activation.
 WIDENING = frozenset({use_full_precision})
-_INPUT_EXPONENTS = frozenset({-3, -1, 0, 1, 3})
 # Results that may exceed float16's range (65504) or come near zero's reciprocal.
-_RANGE_UNSAFE = frozenset({"exp", "exp2", "expm1", "pow", "square", "rsqrt", "sinh", "cosh"})
-
-
-def _size(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+_RANGE_UNSAFE = frozenset({"exp", "exp2", "expm1", "pow", "square", "rsqrt"})
+_GATHERED = ELEMENTWISE | MOVEMENT | REDUCTIONS
 
 
 class Wide:
@@ -144,7 +141,7 @@ def _is_range_unsafe(eqn: Any, args: Sequence[Any]) -> bool:
     if name in _RANGE_UNSAFE:
         return True
     if name == "integer_pow":
-        return eqn.params["y"] not in _INPUT_EXPONENTS or eqn.params["y"] < 0
+        return eqn.params["y"] not in _INPUT_PRECISION_EXPONENTS or eqn.params["y"] < 0
     if name == "div":
         return _is_full(args[1], shape)  # 1/x of an activation; a statistic only rescales
     if name == "mul":
@@ -246,19 +243,32 @@ def float32_inputs(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> tup
     return stream, statistic
 
 
+def may_gather(eqn: Any, rule: Any) -> bool:
+    """Whether :func:`gather` could take ``eqn`` at all: a cheap test on the trace's hot path."""
+    return (
+        eqn.primitive.name in _GATHERED
+        and rule in CHAINABLE
+        and not eqn.primitive.multiple_results
+        and eqn.outvars[0].aval.dtype == _F32
+    )
+
+
 def gather(
-    eqn: Any, invals: Sequence[Any], data: Sequence[bool], rule: Any, ctx: Any, feeds_wide: bool
+    eqn: Any,
+    invals: Sequence[Any],
+    data: Sequence[bool],
+    rule: Any,
+    ctx: Any,
+    feeds_wide: Callable[[], bool],
 ) -> Any:
-    """Gathers ``eqn`` into a region, or ends one; None where ``eqn`` runs as usual.
+    """Gathers ``eqn`` (for which :func:`may_gather` holds) into a region, or ends one; None
+    where ``eqn`` runs as usual.
 
     ``data`` marks the inputs that are data rather than constants or broadcast parameters
-    (the interpreter's STRONG and RAW values). ``feeds_wide`` says the result goes on into
-    a float32 rule (the shift of a softmax before its ``exp``).
+    (the interpreter's STRONG and RAW values). ``feeds_wide()`` says whether the result goes
+    on into a float32 rule (the shift of a softmax before its ``exp``); it is asked last, as
+    answering it reads the whole jaxpr once.
     """
-    if rule not in CHAINABLE or eqn.primitive.multiple_results:
-        return None
-    if eqn.outvars[0].aval.dtype != _F32:
-        return None
     name = eqn.primitive.name
     wide = [x for x in invals if isinstance(x, Wide) and x.stream is not None]
     stream32, statistic = float32_inputs(eqn, invals, data)
@@ -267,9 +277,7 @@ def gather(
             return None
         if name == "convert_element_type" and eqn.params["new_dtype"] != eqn.invars[0].aval.dtype:
             return None  # a cast the program wrote is kept; the region ends before it
-        if name in ELEMENTWISE or name in MOVEMENT or name in REDUCTIONS:
-            return Wide(eqn, invals, rule, wide[0].stream, ctx)
-        return None
+        return Wide(eqn, invals, rule, wide[0].stream, ctx)
     if name in REDUCTIONS:
         # a statistic of an activation: computed from the float32 value the region that
         # normalises the activation reads anyway, so the activation is cast once
@@ -285,9 +293,12 @@ def gather(
     widens = (
         rule in WIDENING
         or statistic
-        or (rule is use_precision_by_exponent and eqn.params.get("y") not in _INPUT_EXPONENTS)
+        or (
+            rule is use_precision_by_exponent
+            and eqn.params.get("y") not in _INPUT_PRECISION_EXPONENTS
+        )
         or (name == "div" and _is_full(invals[1], eqn.outvars[0].aval.shape))  # 1/x
     )
-    if widens or feeds_wide:
+    if widens or feeds_wide():
         return Wide(eqn, invals, rule, stream, ctx)
     return None

@@ -348,6 +348,7 @@ _SQUARE = (
     " 256; fused into the float32 sum it feeds, it costs no memory in a compiled step"
 )
 _KERNEL = "original precision: a kernel is written for the dtypes it was given"
+_VARYING_MARK = "each input as it arrives: marks a value as varying over devices, moves nothing"
 _COLLECTIVE = (
     "each input as it arrives: a 16-bit activation travels in 16 bits (half the traffic,"
     " Megatron's tensor-parallel partial sums), float32 stays float32. A 16-bit psum adds"
@@ -498,8 +499,7 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
             "ppermute", "all_to_all", "reduce_scatter",
         )
     ),
-    ("pvary", use_own_precision, "each input as it arrives: marks a value as varying over devices, moves nothing"),
-    ("pbroadcast", use_own_precision, "each input as it arrives: marks a value as varying over devices, moves nothing"),
+    *((name, use_own_precision, _VARYING_MARK) for name in ("pvary", "pbroadcast")),
 )
 
 # Scopes that keep original precision: the seed's special names.
