@@ -145,3 +145,53 @@ def test_a_16_bit_partial_sum_travels_in_16_bits():
     jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16), W, X)
     sums = operand_dtypes(jaxpr, "psum") + operand_dtypes(jaxpr, "psum_invariant")  # by JAX version
     assert sums == [("bfloat16",)]
+
+
+# --- vmap on either side ------------------------------------------------------------------
+
+def _linear(x, w, b):
+    return jnp.tanh(x @ w + b)
+
+
+def _dtypes_of(jaxpr):
+    return [
+        (e.primitive.name, tuple(v.aval.dtype.name for v in e.invars))
+        for e in _measure.equations(jaxpr)
+        if e.primitive.name in {"dot_general", "add", "tanh"}
+    ]
+
+
+@pytest.mark.parametrize(
+    "in_axes, shapes",
+    [
+        ((0, None, None), ((16, 64), (64, 64), (64,))),  # a batch of inputs
+        ((0, 0, None), ((16, 64), (16, 64, 64), (64,))),  # per-example weights, shared bias
+        ((None, 0, 0), ((64,), (16, 64, 64), (16, 64))),  # an ensemble of layers, shared input
+    ],
+)
+def test_vmap_of_amp_and_amp_of_vmap_run_a_linear_layer_alike(in_axes, shapes):
+    args = [jax.random.normal(jax.random.fold_in(KEY, i), s) for i, s in enumerate(shapes)]
+    outside = jaxpr_of(jax.vmap(autocast.amp(_linear, compute_dtype=BF16), in_axes), *args)
+    inside = jaxpr_of(autocast.amp(jax.vmap(_linear, in_axes), compute_dtype=BF16), *args)
+    assert _dtypes_of(outside) == _dtypes_of(inside)
+    if in_axes[2] is None:  # a shared bias is spread over the batch: it adapts to the product
+        assert ("add", ("bfloat16", "bfloat16")) in _dtypes_of(outside)
+
+
+def test_vmap_of_amp_spreads_a_closed_over_bias_and_nested_vmaps_agree():
+    b = jnp.ones(64)
+    fn = lambda x, w: _linear(x, w, b)  # noqa: E731
+    x, w = X[:4].reshape(2, 2, 64), jnp.stack([W, W])
+    outside = jax.vmap(jax.vmap(autocast.amp(fn, compute_dtype=BF16), (0, None)), (0, 0))
+    inside = autocast.amp(jax.vmap(jax.vmap(fn, (0, None)), (0, 0)), compute_dtype=BF16)
+    assert _dtypes_of(jaxpr_of(outside, x, w)) == _dtypes_of(jaxpr_of(inside, x, w))
+    np.testing.assert_allclose(jax.jit(outside)(x, w), jax.jit(inside)(x, w), rtol=1e-6)
+
+
+def test_per_example_gradients_under_vmap_keep_the_bias_add_16_bit():
+    loss = lambda p, x: jnp.sum(_linear(x, p["w"], p["b"]) ** 2)  # noqa: E731
+    p = {"w": W, "b": jnp.zeros(64)}
+    jaxpr = jaxpr_of(jax.vmap(jax.grad(autocast.amp(loss, compute_dtype=BF16)), (None, 0)), p, X)
+    assert ("bfloat16", "bfloat16") in operand_dtypes(jaxpr, "add")
+    grads = jax.vmap(jax.grad(autocast.amp(loss, compute_dtype=BF16)), (None, 0))(p, X)
+    assert grads["b"].dtype == F32 and grads["b"].shape == (16, 64)

@@ -283,3 +283,21 @@ def rewrap(fun: Any, fn: Any) -> Any:
     from jax._src import linear_util as lu
 
     return lu.wrap_init(fn, debug_info=fun.debug_info)
+
+
+def vmapped_by(x: Any) -> frozenset:
+    """The ``jax.vmap`` traces that batch ``x``: its own and those under the primal of a
+    differentiation tracer. Empty for a value no enclosing vmap maps."""
+    from jax._src.interpreters import ad, batching
+
+    traces = set()
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, batching.BatchTracer):
+            if isinstance(x.batch_dim, int):
+                traces.add(id(x._trace))
+            x = x.val
+        elif isinstance(x, (ad.JVPTracer, getattr(ad, "LinearizeTracer", ad.JVPTracer))):
+            x = x.primal
+        else:
+            break
+    return frozenset(traces)

@@ -19,6 +19,8 @@ Every value has a kind that says how much its dtype should count:
   is data: a residual stream that starts at an embedding is 16-bit from the first block on,
   inside loops and checkpoints too, as a hand-cast model's is (a constant is not data: an
   accumulator that starts at ``jnp.zeros`` keeps its dtype).
+  Under ``jax.vmap(amp(f))`` the inputs the vmap leaves unmapped are SPREAD from the start,
+  as ``amp(jax.vmap(f))`` finds them broadcast, so both orders decide alike.
 - ``RAW``: an input of the function (a parameter, a batch) or a piece of one cut out by pure
   data movement. It keeps its dtype, so a float32 parameter updated by a 16-bit gradient is
   updated in float32.

@@ -7,14 +7,14 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Iterator, Mapping, TypeVar, overload
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
 
 from autocast import _compat, closures
 from autocast._tree import is_array, is_floating_dtype
-from autocast.interpreter import Context, eval_jaxpr
+from autocast.interpreter import RAW, SPREAD, Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
 from autocast.rules import cast_value, default_amp_policy
 
@@ -87,10 +87,31 @@ class _Traced:
     def evaluate(self, ctx: Context) -> Callable[..., list]:
         """The jaxpr evaluated under ``ctx``, outputs cast back to the original dtypes and
         weak types (``amp(lambda a: a * 2)(1.0)`` is weak, as under ``jax.jit``)."""
-        return lambda *args: [
-            _restore(x, a)
-            for x, a in zip(eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, args, ctx), self.out_avals)
-        ]
+
+        def run(*args: Any) -> list[Any]:
+            jaxpr, consts, kinds = self.jaxpr.jaxpr, self.jaxpr.consts, None
+            spread = _spread_by_vmap(consts, args)
+            if spread is not None:
+                jaxpr, consts = _compat.open_jaxpr(self.jaxpr)
+                args, kinds = (*consts, *args), spread
+                consts = []
+            outs = eval_jaxpr(jaxpr, consts, args, ctx, kinds)
+            return [_restore(x, a) for x, a in zip(outs, self.out_avals)]
+
+        return run
+
+
+def _spread_by_vmap(consts: Sequence[Any], args: Sequence[Any]) -> list[int] | None:
+    """Kinds for the constants and arguments when ``jax.vmap(amp(f))`` maps some of them and
+    not others, else None. An unmapped one is SPREAD, as the ``broadcast_in_dim`` that
+    ``amp(jax.vmap(f))`` sees on it makes it: both orders then give a bias add the same dtype."""
+    if not any(isinstance(x, jax.core.Tracer) for x in args):
+        return None
+    mapped = [_compat.vmapped_by(x) for x in (*consts, *args)]
+    every = frozenset().union(*mapped)
+    if not every:
+        return None
+    return [SPREAD if m != every else RAW for m in mapped]
 
 
 def _restore(x: Any, aval: Any) -> Any:
