@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -11,17 +9,13 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from conftest import eqns_named, jaxpr_of, operand_dtypes
+from conftest import eqns_named, jaxpr_of, load_script, operand_dtypes
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"examples.{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses (Linen modules) look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py")
 
 
 def _learns_like_float32(f32: list[float], amp: list[float], rtol: float = 0.05) -> None:

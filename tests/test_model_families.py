@@ -1,0 +1,48 @@
+"""The model families of ``benchmarks/model_families.py`` held to issue 10's bounds: conv nets
+with normalisation and a Flax Linen GPT keep 16-bit activations, and train like float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autocast
+from conftest import load_script
+
+families = load_script(Path(__file__).parents[1] / "benchmarks" / "model_families.py")
+FAMILIES = {name: (make, batches) for name, make, batches in families.families()}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {name: families.measure(*FAMILIES[name], steps=0) for name in ("CNN BatchNorm", "CNN GroupNorm", "Linen GPT")}
+
+
+@pytest.mark.parametrize("name", ["CNN BatchNorm", "CNN GroupNorm"])
+def test_conv_nets_keep_activations_at_or_below_torch_autocast(measured, name):
+    rows = measured[name]
+    amp, f32, own = rows["amp bf16"], rows["float32"], rows["own bf16"]
+    assert amp["act"] <= 0.55 * f32["act"]  # torch.autocast keeps 0.55x on this net
+    assert amp["act"] <= own["act"]
+    assert amp["loss_dev"] < 0.02
+    assert amp["grad_err"] < 0.1
+
+
+def test_a_linen_gpt_with_embed_and_scanned_remat_blocks_keeps_16_bit_activations(measured):
+    rows = measured["Linen GPT"]
+    assert rows["amp bf16"]["act"] <= 0.7 * rows["float32"]["act"]
+    assert rows["amp bf16"]["grad_err"] < 0.05
+
+
+@pytest.mark.parametrize("name", ["CNN BatchNorm", "CNN GroupNorm"])
+def test_conv_nets_train_200_steps_to_float32s_loss(name):
+    make, batches = FAMILIES[name]
+    loss = families._loss_fn(make(None))
+    params = make(None).init(jax.random.key(1), batches(jnp.asarray(0))[0])
+    f32 = families.train(loss, params, batches, steps=200)
+    amp = families.train(autocast.amp(loss, compute_dtype=jnp.bfloat16), params, batches, steps=200)
+    assert f32 < 0.8  # it learned: chance is ln 10 = 2.3
+    assert abs(amp - f32) <= 0.02 * f32
