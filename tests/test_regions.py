@@ -147,6 +147,62 @@ def test_a_16_bit_partial_sum_travels_in_16_bits():
     assert sums == [("bfloat16",)]
 
 
+COLLECTIVES = ("psum", "psum_invariant", "all_gather", "all_gather_invariant", "reduce_scatter", "psum_scatter")
+
+
+def _collective_dtypes(jaxpr):
+    return [d for name in COLLECTIVES for d in operand_dtypes(jaxpr, name)]
+
+
+def _mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))  # automatic axes in every version
+
+
+def test_a_tensor_parallel_layer_communicates_16_bits_both_ways():
+    P = jax.sharding.PartitionSpec
+    mesh = _mesh()
+
+    def local(w_cols, w_rows, x):  # x is the same on every device: its gradient is a psum
+        return jax.lax.psum(jnp.tanh(x @ w_cols) @ w_rows, "i")
+
+    fn = _shard_map(local, mesh, (P(None, "i"), P("i", None), P()), P())
+    loss = lambda w, x: jnp.sum(fn(w, w, jnp.tanh(x @ w)) ** 2)  # noqa: E731
+    jaxpr = jaxpr_of(jax.grad(autocast.amp(loss, compute_dtype=BF16), argnums=(0, 1)), W, X)
+    sums = _collective_dtypes(jaxpr)
+    assert len(sums) >= 2 and all(d == ("bfloat16",) for d in sums)
+    ref = jax.grad(loss, argnums=(0, 1))(W, X)
+    got = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=BF16), argnums=(0, 1)))(W, X)
+    for g, r in zip(got, ref):
+        assert g.dtype == F32 and float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.05
+
+
+def test_a_parameter_gathered_for_a_matrix_product_is_gathered_in_16_bits():
+    P = jax.sharding.PartitionSpec
+    mesh = _mesh()
+
+    def local(w_shard, x):  # fully sharded data parallel: parameters gathered where used
+        return jnp.tanh(x @ jax.lax.all_gather(w_shard, "i", tiled=True))
+
+    fn = _shard_map(local, mesh, (P("i"), P("i")), P("i"))
+    jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16), W, X)
+    assert _collective_dtypes(jaxpr) == [("bfloat16",)]
+    # consumed by anything but matrix products, it is gathered as it is
+    def also_summed(w_shard, x):
+        w = jax.lax.all_gather(w_shard, "i", tiled=True)
+        return x @ w + w.sum(0)
+
+    other = _shard_map(also_summed, mesh, (P("i"), P("i")), P("i"))
+    jaxpr = jaxpr_of(autocast.amp(lambda w, x: other(w, x).sum(), compute_dtype=BF16), W, X)
+    assert _collective_dtypes(jaxpr) == [("float32",)]
+    # and under a policy that keeps all_gather in float32, it is
+    policy = {
+        key: autocast.use_full_precision if str(key) == "all_gather" else rule
+        for key, rule in autocast.default_amp_policy.items()
+    }
+    jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16, amp_policy=policy), W, X)
+    assert _collective_dtypes(jaxpr) == [("float32",)]
+
+
 # --- vmap on either side ------------------------------------------------------------------
 
 def _linear(x, w, b):

@@ -30,7 +30,7 @@ Every value has a kind that says how much its dtype should count:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Container, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,9 +42,11 @@ from autocast.rules import (
     _castable,
     cast_memo,
     cast_value,
+    use_compute_precision,
     use_full_precision,
     use_input_precision,
     use_original_precision,
+    use_own_precision,
 )
 
 STRONG, RAW, WEAK, SPREAD = 0, 1, 2, 3
@@ -170,18 +172,20 @@ def _regions_on(ctx: Context) -> bool:
     return ctx.compute_dtype.itemsize == 2
 
 
-class _FeedsFloat32:
-    """The variables of a jaxpr that its elementwise float32 rules consume (the shift before
-    a softmax's ``exp``). Found on the first question, as most jaxprs never ask one."""
+class _Uses:
+    """What the equations of a jaxpr do with its variables, found on the first question (most
+    jaxprs never ask): which ones elementwise float32 rules consume (the shift before a
+    softmax's ``exp``), and which ones only matrix products consume, directly or through data
+    movement (a parameter gathered from its shards, an input marked as varying over devices)."""
 
-    __slots__ = ("_jaxpr", "_ctx", "_vars")
+    __slots__ = ("_jaxpr", "_ctx", "_float32", "_compute")
 
     def __init__(self, jaxpr: Any, ctx: Context) -> None:
-        self._jaxpr, self._ctx, self._vars = jaxpr, ctx, None
+        self._jaxpr, self._ctx, self._float32, self._compute = jaxpr, ctx, None, None
 
-    def __contains__(self, var: Any) -> bool:
-        if self._vars is None:
-            self._vars = frozenset(
+    def feeds_float32(self, var: Any) -> bool:
+        if self._float32 is None:
+            self._float32 = frozenset(
                 v
                 for eqn in self._jaxpr.eqns
                 if eqn.primitive.name in regions.ELEMENTWISE
@@ -189,7 +193,29 @@ class _FeedsFloat32:
                 for v in eqn.invars
                 if not isinstance(v, _compat.Literal)
             )
-        return var in self._vars
+        return var in self._float32
+
+    def feeds_only_compute(self, var: Any) -> bool:
+        if self._compute is None:
+            self._compute = self._only_compute()
+        return var in self._compute
+
+    def _only_compute(self) -> frozenset:
+        # Backwards over the equations, so a movement's outputs are judged before its input.
+        outputs = {v for v in self._jaxpr.outvars if not isinstance(v, _compat.Literal)}
+        verdict: dict[Any, bool] = {}
+        for eqn in reversed(self._jaxpr.eqns):
+            name = eqn.primitive.name
+            if decide(eqn, self._ctx) is use_compute_precision:
+                ok = True
+            elif name in _MOVEMENT and name != "convert_element_type":
+                ok = all(verdict.get(v, False) and v not in outputs for v in eqn.outvars)
+            else:
+                ok = False
+            for v in eqn.invars:
+                if not isinstance(v, _compat.Literal):
+                    verdict[v] = verdict.get(v, True) and ok
+        return frozenset(v for v, ok in verdict.items() if ok and v not in outputs)
 
 
 def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
@@ -259,11 +285,24 @@ def _implicitly_spread(eqn: Any, kinds: Sequence[int]) -> Sequence[int]:
 _WIDE_RULES = frozenset({use_full_precision, use_original_precision})
 
 
+def _cast_ahead(eqn: Any, invals: list[Any], ctx: Context, uses: _Uses) -> list[Any]:
+    """A collective's float32 inputs in the compute dtype when only matrix products consume
+    its outputs, which would cast them on arrival: half the traffic for the same numbers
+    forward (a parameter all-gathered from its shards), and the backward's collective (the
+    psum that ``pvary`` turns into) travels in 16 bits too."""
+    if not all(uses.feeds_only_compute(v) for v in eqn.outvars):
+        return invals
+    return [
+        cast_value(x, ctx.compute_dtype) if _castable(x, o) and x.dtype.itemsize > ctx.compute_dtype.itemsize else x
+        for x, o in zip(invals, (v.aval.dtype for v in eqn.invars))
+    ]
+
+
 def apply_first_order(
-    eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context, feeds: Container[Any] = ()
+    eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context, uses: _Uses | None = None
 ) -> Any:
     """Decides, casts and binds one first-order equation (or gathers it into a wide region,
-    see :mod:`autocast.regions`). ``feeds`` holds the variables float32 rules consume."""
+    see :mod:`autocast.regions`). ``uses`` says how later equations use its outputs."""
     original = [v.aval.dtype for v in eqn.invars]
     if RAW in kinds and eqn.primitive.name in _IMPLICIT_BROADCAST:
         kinds = _implicitly_spread(eqn, kinds)
@@ -275,7 +314,9 @@ def apply_first_order(
             data = [k in (STRONG, RAW) for k in kinds]
             if gatherable:
                 nodes = [_as_region_input(x, ctx) for x in invals]
-                out = regions.gather(eqn, nodes, data, rule, ctx, lambda: eqn.outvars[0] in feeds)
+                out = regions.gather(
+                    eqn, nodes, data, rule, ctx, lambda: uses is not None and uses.feeds_float32(eqn.outvars[0])
+                )
                 if out is not None:
                     return out
             if wide_in:
@@ -287,6 +328,8 @@ def apply_first_order(
             invals = [_materialized(x) for x in invals]
         else:
             invals = adapt_weak(invals, kinds, original)
+    if rule is use_own_precision and _regions_on(ctx) and uses is not None:
+        invals = _cast_ahead(eqn, invals, ctx, uses)
     invars, params = _checked_rule_output(
         rule, eqn, rule(ctx.compute_dtype, original, *invals, **eqn.params), len(invals)
     )
@@ -336,7 +379,7 @@ def _eval_jaxpr(
 
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
-    feeds = _FeedsFloat32(jaxpr, ctx)
+    uses = _Uses(jaxpr, ctx)
     for var, value in zip(jaxpr.constvars, consts):
         env[var] = value
         kind_of[var] = RAW
@@ -375,7 +418,7 @@ def _eval_jaxpr(
                 continue
         with _compat.equation_context(eqn):
             if handler is None:
-                outs = apply_first_order(eqn, invals, kinds, ctx, feeds)
+                outs = apply_first_order(eqn, invals, kinds, ctx, uses)
             else:
                 outs = handler(eqn, [_materialized(x) for x in invals], kinds, ctx)
         if not eqn.primitive.multiple_results:
