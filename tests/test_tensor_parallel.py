@@ -1,0 +1,29 @@
+"""``benchmarks/tensor_parallel.py`` on 8 simulated CPU devices, in a child process: a
+Megatron-style MLP under amp sends its partial sums in bfloat16 and trains like float32."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "tensor_parallel.py"
+
+
+def test_tensor_parallel_mlp_sums_in_bfloat16_and_tracks_float32(tmp_path):
+    out = tmp_path / "tp.json"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--steps", "30", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())
+    f32, amp = rows["float32"], rows["amp bf16"]
+    assert f32["collectives"] and all(dtype == "float32" for _, dtype in f32["collectives"])
+    assert amp["collectives"] and all(dtype == "bfloat16" for _, dtype in amp["collectives"])
+    assert amp["bytes"] * 2 == f32["bytes"]
+    assert amp["loss_dev"] < 0.03 and amp["trained_dev"] < 0.03
+    assert amp["grads_float32_finite"] and f32["grads_float32_finite"]
