@@ -1,111 +1,217 @@
-"""The benchmark harness (``make bench``): every SPEC 5 measure, side by side, in one run.
+"""The benchmark harness (``make bench``): every SPEC 5 and issue 10 measure, side by side.
 
-For float32, the same model cast to bfloat16 by hand, and amp with bfloat16 compute, on the
-MLP and the GPT-style model (unrolled and scanned, with and without checkpoints): loss,
-16-bit share of matmul FLOPs forward and backward, casts, activation memory and its ratios;
-then the trace-overhead ratio of ``jit(amp(f)).lower`` over ``jit(f).lower``; and, when a
-GPU is present, step time and peak memory as ratios to float32; and amp on third-party code
-(custom rules with closures, diffrax, optimistix, lineax, a Pallas kernel) against float32.
-Prints tables and writes all figures to ``--json`` (default ``benchmarks/results.json``).
+Sections, each a table (``--only`` picks some):
+
+- ``jaxpr``: float32, the same model cast to bfloat16 by hand, and amp with bfloat16 compute,
+  on the MLP and the GPT-style models (the demo's small one; a 4-layer one unrolled and
+  scanned, with and without checkpoints): loss, 16-bit share of matmul FLOPs forward and
+  backward, casts, activation memory and its ratios;
+- ``families``: CNNs with BatchNorm and GroupNorm, a ResNet, a ViT and a Flax Linen GPT:
+  activation memory against float32 and the framework's own bfloat16, gradient error, loss
+  after a training run;
+- ``torch``: the same GPTs and CNNs under ``torch.autocast`` (saved-tensor bytes against
+  torch's own float32), next to amp's ratios; only when PyTorch is installed (the
+  ``bench-torch`` extra);
+- ``parallel``: a tensor-parallel MLP on 8 simulated CPU devices (its own process): bytes
+  communicated per step, loss against float32;
+- ``trace``: ``jit(amp(f)).lower`` over ``jit(f).lower`` on a 12-layer GPT;
+- ``third_party``: amp on custom rules with closures, diffrax, optimistix, lineax, Pallas;
+- ``step``: gradient step time and peak memory (``compiled.memory_analysis()``, and the
+  device's own peak where it reports one), float32 vs hand-cast vs amp. Runs by default on a
+  GPU only; ``--step-figures`` runs it on any backend, so the GPU path is exercised on CPU.
+
+Prints the tables and writes all figures to ``--json`` (default ``benchmarks/results.json``).
+
+Run: ``.venv/bin/python benchmarks/bench.py [--only jaxpr,families] [--step-figures]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
 
 import mixed_precision  # noqa: E402
 import model_families  # noqa: E402
 import third_party  # noqa: E402
+import torch_autocast  # noqa: E402
 import trace_overhead  # noqa: E402
 
 import autocast  # noqa: E402
 from autocast import _models  # noqa: E402
 
-
-def _variants(loss_fn):
-    return {
-        "float32": loss_fn,
-        "hand bf16": lambda *a, f=loss_fn: f(*a, jnp.bfloat16),
-        "amp bf16": autocast.amp(loss_fn, compute_dtype=jnp.bfloat16),
-    }
+SECTIONS = ("jaxpr", "families", "torch", "parallel", "trace", "third_party", "step")
 
 
-def gpu_step_figures(loss_fn, args, repeats: int = 20) -> dict:
-    """Step time and peak memory of a jitted gradient step, per variant (GPU only)."""
+def _peak_bytes(compiled: Any) -> int | None:
+    """The compiled program's peak memory as XLA plans it: its own figure where the JAX
+    version reports one, else arguments + outputs + temporaries - aliased buffers."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    if peak:
+        return int(peak)
+    return int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+def step_figures(loss_fn: Callable[..., Any], args: Sequence[Any], repeats: int = 20) -> dict:
+    """Per variant: the jitted gradient step's time (ms, best of ``repeats`` after a warm-up),
+    its planned peak memory, and the device's measured peak where it reports one (GPUs)."""
     figures = {}
-    for name, fn in _variants(loss_fn).items():
-        step = jax.jit(jax.grad(fn))
-        jax.block_until_ready(step(*args))
-        device = jax.devices()[0]
-        start = time.perf_counter()
+    for name, fn in mixed_precision.variants(loss_fn).items():
+        compiled = jax.jit(jax.grad(fn)).lower(*args).compile()
+        jax.block_until_ready(compiled(*args))
+        times = []
         for _ in range(repeats):
-            out = step(*args)
-        jax.block_until_ready(out)
-        stats = device.memory_stats() or {}
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - start)
+        stats = jax.devices()[0].memory_stats() or {}
         figures[name] = {
-            "step_ms": 1e3 * (time.perf_counter() - start) / repeats,
-            "peak_bytes": stats.get("peak_bytes_in_use"),
+            "step_ms": 1e3 * min(times),
+            "planned_peak_bytes": _peak_bytes(compiled),
+            "device_peak_bytes": stats.get("peak_bytes_in_use"),
         }
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=str(Path(__file__).with_name("results.json")))
-    parser.add_argument("--repeats", type=int, default=15, help="trace-overhead repeats")
-    args = parser.parse_args()
-    results: dict = {"jax": jax.__version__, "backend": jax.default_backend(), "models": {}}
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:5.2f}x" if a and b else "    -"
 
+
+def run_step(results: dict, options: argparse.Namespace) -> None:
+    print(f"== {jax.default_backend()}: gradient step time and peak memory ==")
+    print(f"{'model':15} {'variant':9} {'step ms':>8} {'vs f32':>6} {'planned MB':>10} {'vs f32':>6} {'device MB':>9}")
+    gpu = results["step"] = {}
+    for name, loss_fn, model_args in mixed_precision.models(options.models):
+        gpu[name] = figures = step_figures(loss_fn, model_args, options.step_repeats)
+        f32 = figures["float32"]
+        for k, r in figures.items():
+            planned, device = r["planned_peak_bytes"], r["device_peak_bytes"]
+            print(
+                f"{name:15} {k:9} {r['step_ms']:8.3f} {_ratio(r['step_ms'], f32['step_ms']):>6} "
+                f"{(planned or 0) / 2**20:10.2f} {_ratio(planned, f32['planned_peak_bytes']):>6} "
+                f"{'-' if device is None else f'{device / 2**20:.2f}':>9}"
+            )
+
+
+def run_jaxpr(results: dict, options: argparse.Namespace) -> None:
     print("== mixed precision, read off the jaxprs ==")
-    mixed_precision.main()
-    for name, loss_fn, model_args in mixed_precision.models():
-        ref = float(jax.jit(loss_fn)(*model_args))
-        results["models"][name] = {
-            k: mixed_precision.measure(f, model_args, ref) for k, f in _variants(loss_fn).items()
-        }
+    results["models"] = mixed_precision.main(options.models)
 
-    print("\n== model families: activation memory and gradient error, Flax Linen ==")
-    results["model_families"] = model_families.main()
 
-    print("\n== trace overhead: jit(amp(f)).lower / jit(f).lower, 12-layer unrolled GPT ==")
+def run_families(results: dict, options: argparse.Namespace) -> None:
+    print("== model families: activation memory and gradient error, Flax Linen ==")
+    results["model_families"] = model_families.main(options.train_steps)
+
+
+def run_torch(results: dict, options: argparse.Namespace) -> None:
+    print("== torch.autocast on the same architectures: saved-tensor bytes vs its own float32 ==")
+    if not torch_autocast.available():
+        print("(PyTorch not installed: pip install -e '.[bench-torch]' for this column)")
+        return
+    results["torch"] = torch_ratios = torch_autocast.main()
+    ours = {
+        "GPT small (demo)": results.get("models", {}).get("GPT small"),
+        "GPT 4L d128": results.get("models", {}).get("GPT"),
+        "CNN BatchNorm": results.get("model_families", {}).get("CNN BatchNorm"),
+        "CNN GroupNorm": results.get("model_families", {}).get("CNN GroupNorm"),
+    }
+    print(f"\n{'model':17} {'torch.autocast':>14} {'amp':>6}   (activation bytes / own float32)")
+    for name, r in torch_ratios.items():
+        rows = ours.get(name)
+        key = "act" if rows and "act" in rows["float32"] else "activation_bytes"
+        amp = f"{rows['amp bf16'][key] / rows['float32'][key]:6.2f}" if rows else f"{'-':>6}"
+        print(f"{name:17} {r['ratio']:14.2f} {amp}")
+
+
+def run_parallel(results: dict, options: argparse.Namespace) -> None:
+    print("== tensor-parallel MLP on 8 simulated CPU devices (own process) ==")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        env_flags = "--xla_force_host_platform_device_count=8"
+        done = subprocess.run(
+            [sys.executable, str(HERE / "tensor_parallel.py"), "--json", str(out)],
+            env={**os.environ, "XLA_FLAGS": env_flags, "JAX_PLATFORMS": "cpu"},
+            text=True, capture_output=True,
+        )
+        print(done.stdout, end="")
+        if done.returncode:
+            raise RuntimeError(f"tensor_parallel.py failed:\n{done.stderr}")
+        results["tensor_parallel"] = json.loads(out.read_text())
+
+
+def run_trace(results: dict, options: argparse.Namespace) -> None:
+    print("== trace overhead: jit(amp(f)).lower / jit(f).lower, 12-layer unrolled GPT ==")
     key = jax.random.PRNGKey(0)
     params = _models.init_gpt(key, layers=12, d=64, seq=32)
     tokens = _models.gpt_batch(key, seq=32)
     plain = lambda: (lambda p, t: _models.gpt_loss(p, t))  # noqa: E731
     amped = lambda: autocast.amp(lambda p, t: _models.gpt_loss(p, t), compute_dtype=jnp.bfloat16)  # noqa: E731
     trace_overhead.best_of_interleaved(plain, amped, (params, tokens), 1)
-    base, mixed = trace_overhead.best_of_interleaved(plain, amped, (params, tokens), args.repeats)
+    base, mixed = trace_overhead.best_of_interleaved(plain, amped, (params, tokens), options.repeats)
     results["trace_overhead"] = {"plain_ms": 1e3 * base, "amp_ms": 1e3 * mixed, "ratio": mixed / base}
     print(f"{1e3 * base:.1f} ms -> {1e3 * mixed:.1f} ms: {mixed / base:.2f}x")
 
-    print("\n== third-party code: error vs float32, bfloat16 compute ==")
+
+def run_third_party(results: dict, options: argparse.Namespace) -> None:
+    print("== third-party code: error vs float32, bfloat16 compute ==")
     results["third_party"] = third_party.main()
 
-    if jax.default_backend() == "gpu":
-        print("\n== GPU: gradient step time and peak memory ==")
-        gpu = {}
-        for name, loss_fn, model_args in mixed_precision.models():
-            gpu[name] = figures = gpu_step_figures(loss_fn, model_args)
-            f32 = figures["float32"]
-            for k, r in figures.items():
-                peak = r["peak_bytes"] and f32["peak_bytes"] and r["peak_bytes"] / f32["peak_bytes"]
-                print(f"{name:15} {k:9} step {r['step_ms']:8.3f} ms ({r['step_ms'] / f32['step_ms']:.2f}x)"
-                      f"  peak {peak if peak is None else f'{peak:.2f}x'}")
-        results["gpu"] = gpu
-    else:
-        print("\n(no GPU: step time and peak memory are measured only on one)")
 
-    Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"\nfigures written to {args.json}")
+RUNNERS = {
+    "jaxpr": run_jaxpr, "families": run_families, "torch": run_torch, "parallel": run_parallel,
+    "trace": run_trace, "third_party": run_third_party, "step": run_step,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Runs the chosen sections; returns (and writes to ``--json``) their figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=str(HERE / "results.json"))
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    parser.add_argument("--models", default="", help="comma-separated jaxpr/step model names (default: all)")
+    parser.add_argument("--repeats", type=int, default=15, help="trace-overhead repeats")
+    parser.add_argument("--step-repeats", type=int, default=20, help="timed gradient steps per variant")
+    parser.add_argument("--train-steps", type=int, default=200, help="training steps per model-family run")
+    parser.add_argument(
+        "--step-figures", action="store_true",
+        help="measure step time and peak memory on any backend (default: on a GPU only)",
+    )
+    options = parser.parse_args(argv)
+    options.models = [m for m in options.models.split(",") if m]
+    chosen = [s for s in options.only.split(",") if s]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    results: dict = {"jax": jax.__version__, "backend": jax.default_backend()}
+    for section in SECTIONS:
+        if section not in chosen:
+            continue
+        if section == "step" and not (options.step_figures or jax.default_backend() == "gpu"):
+            print("(no GPU: step time and peak memory run on one, or anywhere with --step-figures)")
+            continue
+        RUNNERS[section](results, options)
+        print()
+    Path(options.json).write_text(json.dumps(results, indent=1))
+    print(f"figures written to {options.json}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""What amp does to a model, read off its jaxpr (SPEC 5): for a float32 MLP and a small
-GPT-style transformer, compare float32, the same model cast to bfloat16 by hand (float32
-layer norm, softmax and loss), and amp with bfloat16 compute.
+"""What amp does to a model, read off its jaxpr (SPEC 5): for a float32 MLP and GPT-style
+transformers, compare float32, the same model cast to bfloat16 by hand (float32 layer norm,
+softmax and loss), and amp with bfloat16 compute.
 
-The GPT runs in four forms: unrolled and as ``lax.scan`` over stacked layers, each with and
-without ``jax.checkpoint`` per layer.
+The demo's small GPT (2 layers, d=64, batch 16 of 32 tokens) runs as it is; a 4-layer GPT
+(d=128, batch 8 of 64 tokens) runs in four forms: unrolled and as ``lax.scan`` over stacked
+layers, each with and without ``jax.checkpoint`` per layer.
 
 Columns: loss (and its deviation from float32), share of matmul FLOPs with 16-bit operands
 forward and backward, float-to-float casts in the forward and gradient jaxprs, casts that
@@ -16,6 +17,8 @@ Run: ``.venv/bin/python benchmarks/mixed_precision.py``
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,43 +44,59 @@ def measure(fn, args, reference_loss):
     }
 
 
-def models():
+def models(names: Sequence[str] = ()):
+    """(name, loss, arguments) of each model, or of those named."""
     key = jax.random.PRNGKey(0)
-    mlp_params = _models.init_mlp(key, (256, 512, 512, 10))
-    x = jax.random.normal(key, (128, 256))
-    y = jnp.arange(128) % 10
-    yield "MLP", _models.mlp_loss, (mlp_params, x, y)
+    chosen = lambda name: not names or name in names  # noqa: E731
+    if chosen("MLP"):
+        mlp_params = _models.init_mlp(key, (256, 512, 512, 10))
+        x = jax.random.normal(key, (128, 256))
+        y = jnp.arange(128) % 10
+        yield "MLP", _models.mlp_loss, (mlp_params, x, y)
+    if chosen("GPT small"):  # the demo's model and batch
+        small = _models.init_gpt(key, vocab=64, d=64, layers=2, seq=32)
+        yield "GPT small", _gpt_loss(False, False), (small, _models.gpt_batch(key, batch=16, seq=32, vocab=64))
     gpt_params = _models.init_gpt(key, vocab=256, d=128, layers=4, seq=64)
     stacked = _models.stack_blocks(gpt_params)
     tokens = _models.gpt_batch(key, batch=8, seq=64, vocab=256)
     for scan in (False, True):
         for remat in (False, True):
             name = ("GPT scan" if scan else "GPT") + (" +ckpt" if remat else "")
-
-            def loss(p, t, hand_cast=None, scan=scan, remat=remat):
-                return _models.gpt_loss(p, t, hand_cast, scan=scan, remat=remat)
-
-            yield name, loss, (stacked if scan else gpt_params, tokens)
+            if chosen(name):
+                yield name, _gpt_loss(scan, remat), (stacked if scan else gpt_params, tokens)
 
 
-def main() -> None:
+def _gpt_loss(scan: bool, remat: bool) -> Callable[..., jax.Array]:
+    def loss(p: Any, t: jax.Array, hand_cast: Any = None) -> jax.Array:
+        return _models.gpt_loss(p, t, hand_cast, scan=scan, remat=remat)
+
+    return loss
+
+
+def variants(loss_fn: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """float32, cast to bfloat16 by hand (the model's ``hand_cast`` argument), amp bfloat16."""
+    return {
+        "float32": loss_fn,
+        "hand bf16": lambda *a, f=loss_fn: f(*a, jnp.bfloat16),
+        "amp bf16": autocast.amp(loss_fn, compute_dtype=jnp.bfloat16),
+    }
+
+
+def main(names: Sequence[str] = ()) -> dict[str, dict]:
+    """Prints the table; returns model -> variant -> measures."""
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
-    header = f"{'model':13} {'variant':9} {'loss':>7} {'dev':>6} {'bf16 fwd':>8} {'bf16 bwd':>8} " \
+    header = f"{'model':14} {'variant':9} {'loss':>7} {'dev':>6} {'bf16 fwd':>8} {'bf16 bwd':>8} " \
              f"{'casts f/b':>9} {'waste':>5} {'resid MB':>8} {'vs f32':>6} {'vs hand':>7} " \
              f"{'act/f32':>7} {'act/hand':>8}"
     print(header)
-    for name, loss_fn, args in models():
-        variants = {
-            "float32": loss_fn,
-            "hand bf16": lambda *a, f=loss_fn: f(*a, jnp.bfloat16),
-            "amp bf16": autocast.amp(loss_fn, compute_dtype=jnp.bfloat16),
-        }
+    results = {}
+    for name, loss_fn, args in models(names):
         ref = float(jax.jit(loss_fn)(*args))
-        rows = {k: measure(f, args, ref) for k, f in variants.items()}
+        rows = results[name] = {k: measure(f, args, ref) for k, f in variants(loss_fn).items()}
         f32, hand = rows["float32"], rows["hand bf16"]
         for k, r in rows.items():
             print(
-                f"{name:13} {k:9} {r['loss']:7.4f} {r['loss_dev']:6.2%} {r['share_fwd']:8.1%} "
+                f"{name:14} {k:9} {r['loss']:7.4f} {r['loss_dev']:6.2%} {r['share_fwd']:8.1%} "
                 f"{r['share_bwd']:8.1%} {r['casts_fwd']:>4}/{r['casts_bwd']:<4} {r['waste']:>5} "
                 f"{r['residual_bytes'] / 2**20:8.2f} "
                 f"{r['residual_bytes'] / f32['residual_bytes']:6.2f} "
@@ -85,6 +104,7 @@ def main() -> None:
                 f"{r['activation_bytes'] / f32['activation_bytes']:7.2f} "
                 f"{r['activation_bytes'] / hand['activation_bytes']:8.2f}"
             )
+    return results
 
 
 if __name__ == "__main__":

@@ -301,3 +301,29 @@ def vmapped_by(x: Any) -> frozenset:
         else:
             break
     return frozenset(traces)
+
+
+def retraceable(aval: Any) -> bool:
+    """Whether tracing on ``jax.ShapeDtypeStruct(shape, dtype, weak_type)`` reproduces this
+    abstract value: not when it carries a mesh (explicit sharding, or inside ``shard_map``
+    the axes it varies over), which the struct would drop."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is not None and not getattr(mesh, "empty", True):
+        return False
+    mat = getattr(aval, "mat", None)  # JAX 0.10 on: the manual axes' types
+    return not (getattr(aval, "vma", None) or getattr(mat, "varying", None))
+
+
+def trace_open(fn: Any, args: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
+    """``fn`` traced on the types of ``args``, as an open jaxpr and its constants."""
+    closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=aval_of(x).weak_type) for x in args))
+    return open_jaxpr(closed)
+
+
+def bind_checkpoint(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *, policy: Any) -> Any:
+    """What ``jax.checkpoint(fn, prevent_cse=False, policy=policy)(*args)`` binds, for an
+    ``fn`` already traced to ``jaxpr`` (see :func:`trace_open`); its single output."""
+    from jax._src.ad_checkpoint import remat_p
+
+    (out,) = remat_p.bind(*consts, *args, jaxpr=jaxpr, prevent_cse=False, differentiated=False, policy=policy)
+    return out

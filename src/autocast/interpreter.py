@@ -168,6 +168,19 @@ def _as_region_input(x: Any, ctx: Context) -> Any:
     return x
 
 
+def _unmoved(x: Any, moved: Mapping[int, tuple]) -> Any:
+    """``x`` marked with the activation it was reshaped from, if it was (see
+    :class:`autocast.regions.Moved`)."""
+    hit = moved.get(id(x))
+    if hit is None or hit[0] is not x:
+        return x
+    return regions.Moved(*hit)
+
+
+# Movements whose result is the same buffer in another shape, which a region can replay.
+_RESHAPES = frozenset({"reshape", "transpose", "squeeze", "expand_dims"})
+
+
 def _regions_on(ctx: Context) -> bool:
     return ctx.compute_dtype.itemsize == 2
 
@@ -299,10 +312,16 @@ def _cast_ahead(eqn: Any, invals: list[Any], ctx: Context, uses: _Uses) -> list[
 
 
 def apply_first_order(
-    eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context, uses: _Uses | None = None
+    eqn: Any,
+    invals: list[Any],
+    kinds: Sequence[int],
+    ctx: Context,
+    uses: _Uses | None = None,
+    moved: Mapping[int, tuple] | None = None,
 ) -> Any:
     """Decides, casts and binds one first-order equation (or gathers it into a wide region,
-    see :mod:`autocast.regions`). ``uses`` says how later equations use its outputs."""
+    see :mod:`autocast.regions`). ``uses`` says how later equations use its outputs; ``moved``
+    maps ``id`` of a reshaped activation to ``(value, reshape equation, activation)``."""
     original = [v.aval.dtype for v in eqn.invars]
     if RAW in kinds and eqn.primitive.name in _IMPLICIT_BROADCAST:
         kinds = _implicitly_spread(eqn, kinds)
@@ -315,7 +334,9 @@ def apply_first_order(
             if gatherable:
                 nodes = [_as_region_input(x, ctx) for x in invals]
                 out = regions.gather(
-                    eqn, nodes, data, rule, ctx, lambda: uses is not None and uses.feeds_float32(eqn.outvars[0])
+                    eqn, nodes, data, rule, ctx,
+                    feeds_wide=lambda: uses is not None and uses.feeds_float32(eqn.outvars[0]),
+                    unmove=lambda x: _unmoved(x, moved) if moved else x,
                 )
                 if out is not None:
                     return out
@@ -354,7 +375,7 @@ def eval_jaxpr(
 
     ``arg_kinds`` gives the kind of each argument (default: all RAW, the function's inputs).
     """
-    with cast_memo():
+    with cast_memo(), regions.traced_regions():
         outs, _ = _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds)
         return [_materialized(x) for x in outs]
 
@@ -380,6 +401,7 @@ def _eval_jaxpr(
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
     uses = _Uses(jaxpr, ctx)
+    moved: dict[int, tuple] = {}
     for var, value in zip(jaxpr.constvars, consts):
         env[var] = value
         kind_of[var] = RAW
@@ -418,7 +440,9 @@ def _eval_jaxpr(
                 continue
         with _compat.equation_context(eqn):
             if handler is None:
-                outs = apply_first_order(eqn, invals, kinds, ctx, uses)
+                outs = apply_first_order(eqn, invals, kinds, ctx, uses, moved)
+                if eqn.primitive.name in _RESHAPES and regions.narrowed(invals[0], eqn.invars[0]):
+                    moved[id(outs)] = (outs, eqn, invals[0])
             else:
                 outs = handler(eqn, [_materialized(x) for x in invals], kinds, ctx)
         if not eqn.primitive.multiple_results:

@@ -116,6 +116,26 @@ class Wide:
         return made
 
 
+class Moved:
+    """An activation reshaped (transposed, ...) from another, as a region input: the region
+    reads the other and replays the movement when the other is an input of it anyway (a
+    group norm's statistics read the activation in groups, its normalisation reads it
+    whole), so the backward keeps one residual, not two shapes of the same data."""
+
+    __slots__ = ("value", "eqn", "source")
+
+    def __init__(self, value: Any, eqn: Any, source: Any) -> None:
+        self.value, self.eqn, self.source = value, eqn, source
+
+    @property
+    def shape(self) -> Any:
+        return self.value.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.value.dtype
+
+
 def save_nothing(*_: Any, **__: Any) -> bool:
     """The checkpoint policy of a wide region: its backward recomputes everything from the
     region's inputs. A function of its own, so measures can tell amp's regions apart."""
@@ -149,15 +169,30 @@ def _is_range_unsafe(eqn: Any, args: Sequence[Any]) -> bool:
     return False
 
 
-def _leaves(node: Wide, found: dict[int, Any], seen: set[int]) -> None:
+def _leaves(node: Wide, found: dict[int, Any], moves: list[Moved], seen: set[int]) -> None:
     if id(node) in seen:
         return
     seen.add(id(node))
     for arg in node.args:
         if isinstance(arg, Wide):
-            _leaves(arg, found, seen)
+            _leaves(arg, found, moves, seen)
+        elif isinstance(arg, Moved):
+            moves.append(arg)
         elif not _is_constant(arg):
             found.setdefault(id(arg), arg)
+
+
+def _inputs(root: Wide) -> tuple[list[Any], set[int]]:
+    """The region's inputs, and the ``id`` of each :class:`Moved` input it replays from
+    another input rather than reads."""
+    found: dict[int, Any] = {}
+    moves: list[Moved] = []
+    _leaves(root, found, moves, set())
+    replayed = {id(m) for m in moves if id(m.source) in found}
+    for m in moves:
+        if id(m) not in replayed:
+            found.setdefault(id(m.value), m.value)
+    return list(found.values()), replayed
 
 
 def _is_constant(x: Any) -> bool:
@@ -165,10 +200,8 @@ def _is_constant(x: Any) -> bool:
 
 
 def _emit(root: Wide, dtype: np.dtype) -> Any:
-    found: dict[int, Any] = {}
-    _leaves(root, found, set())
-    ids = list(found)
-    position = {key: i for i, key in enumerate(ids)}
+    leaves, replayed = _inputs(root)
+    position = {id(x): i for i, x in enumerate(leaves)}
 
     def region(*values: Any) -> Any:
         with cast_memo():
@@ -183,6 +216,15 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
                     original = var.aval.dtype
                     if isinstance(arg, Wide):
                         value = evaluate(arg)
+                    elif id(arg) in replayed:
+                        source = values[position[id(arg.source)]]
+                        (moved_var,) = arg.eqn.invars
+                        if _castable(source, moved_var.aval.dtype):
+                            source = cast_value(source, moved_var.aval.dtype)
+                        with _compat.equation_context(arg.eqn):
+                            value = _compat.bind_equation(arg.eqn, [source], arg.eqn.params)
+                    elif isinstance(arg, Moved):
+                        value = values[position[id(arg.value)]]
                     else:
                         value = arg if _is_constant(arg) else values[position[id(arg)]]
                     ins.append(cast_value(value, original) if _castable(value, original) else value)
@@ -196,7 +238,73 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
             out = evaluate(root)
             return cast_value(out, dtype) if _castable(out, dtype) else out
 
-    return jax.checkpoint(region, prevent_cse=False, policy=save_nothing)(*(found[k] for k in ids))
+    cache = _traced_regions[-1] if _traced_regions and root.ctx.observer is None else None
+    key = _structure(root, position, replayed, leaves, dtype) if cache is not None else None
+    if key is None:
+        return jax.checkpoint(region, prevent_cse=False, policy=save_nothing)(*leaves)
+    traced = cache.get(key)
+    if traced is None:
+        traced = cache[key] = _compat.trace_open(region, leaves)
+    return _compat.bind_checkpoint(*traced, leaves, policy=save_nothing)
+
+
+# The regions traced so far in the program amp is evaluating (innermost last), by structure:
+# the blocks of a model repeat theirs, and tracing each once instead of per block is most of
+# the time wide regions add to tracing.
+_traced_regions: list[dict] = []
+
+
+class traced_regions:
+    """Within this context, regions of the same structure are traced once and reused."""
+
+    def __enter__(self) -> None:
+        _traced_regions.append({})
+
+    def __exit__(self, *_: Any) -> None:
+        _traced_regions.pop()
+
+
+def _structure(
+    root: Wide, position: dict[int, int], replayed: set[int], leaves: Sequence[Any], dtype: np.dtype
+) -> Any:
+    """A hashable description of the region ``root`` heads: its equations, how they connect,
+    their constants, the inputs' types and the stored dtype. None where something in it
+    cannot be hashed (the region is then traced on its own)."""
+    order: dict[int, int] = {}
+    rows: list[Any] = []
+
+    def visit(node: Wide) -> int:
+        index = order.get(id(node))
+        if index is not None:
+            return index
+        refs = []
+        for arg in node.args:
+            if isinstance(arg, Wide):
+                refs.append(("n", visit(arg)))
+            elif id(arg) in replayed:
+                params = tuple(sorted(arg.eqn.params.items()))
+                refs.append(("m", arg.eqn.primitive, params, position[id(arg.source)]))
+            elif isinstance(arg, Moved):
+                refs.append(("l", position[id(arg.value)]))
+            elif _is_constant(arg):
+                refs.append(("c", np.asarray(arg).dtype.str, np.shape(arg), np.asarray(arg).tobytes()))
+            else:
+                refs.append(("l", position[id(arg)]))
+        eqn = node.eqn
+        rows.append((eqn.primitive, tuple(sorted(eqn.params.items())), tuple(refs), str(eqn.source_info.name_stack)))
+        order[id(node)] = index = len(order)
+        return index
+
+    visit(root)
+    avals = tuple(_compat.aval_of(x) for x in leaves)
+    if not all(_compat.retraceable(a) for a in avals):
+        return None
+    key = (tuple(rows), avals, dtype)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def replay(eqn: Any, operand: Any, ctx: Any) -> Wide:
@@ -210,7 +318,7 @@ def settle(x: Any, dtype: Any = None) -> Any:
     return x.materialize(dtype) if isinstance(x, Wide) else x
 
 
-def _narrowed(x: Any, var: Any) -> bool:
+def narrowed(x: Any, var: Any) -> bool:
     """Whether ``x`` is a 16-bit value the program had in float32."""
     if isinstance(x, Wide) or _is_constant(x):
         return False
@@ -222,7 +330,7 @@ def _activation_dtype(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> 
     """The 16-bit dtype of a full-size data input amp narrowed from the program's float32."""
     shape = tuple(eqn.outvars[0].aval.shape)
     for x, var, yes in zip(invals, eqn.invars, data):
-        if yes and _narrowed(x, var) and tuple(np.shape(x)) == shape:
+        if yes and narrowed(x, var) and tuple(np.shape(x)) == shape:
             return np.dtype(x.dtype)
     return None
 
@@ -260,6 +368,7 @@ def gather(
     rule: Any,
     ctx: Any,
     feeds_wide: Callable[[], bool],
+    unmove: Callable[[Any], Any] = lambda x: x,
 ) -> Any:
     """Gathers ``eqn`` (for which :func:`may_gather` holds) into a region, or ends one; None
     where ``eqn`` runs as usual.
@@ -267,7 +376,8 @@ def gather(
     ``data`` marks the inputs that are data rather than constants or broadcast parameters
     (the interpreter's STRONG and RAW values). ``feeds_wide()`` says whether the result goes
     on into a float32 rule (the shift of a softmax before its ``exp``); it is asked last, as
-    answering it reads the whole jaxpr once.
+    answering it reads the whole jaxpr once. ``unmove`` gives, for an input that starts a
+    region, what the region should read instead (the activation a reshaped one came from).
     """
     name = eqn.primitive.name
     wide = [x for x in invals if isinstance(x, Wide) and x.stream is not None]
@@ -282,8 +392,8 @@ def gather(
         # a statistic of an activation: computed from the float32 value the region that
         # normalises the activation reads anyway, so the activation is cast once
         x = invals[0]
-        if data[0] and _narrowed(x, eqn.invars[0]):
-            return Wide(eqn, invals, rule, x.dtype, ctx)
+        if data[0] and narrowed(x, eqn.invars[0]):
+            return Wide(eqn, [unmove(x), *invals[1:]], rule, x.dtype, ctx)
         return None
     if name not in ELEMENTWISE or stream32:
         return None
@@ -300,5 +410,5 @@ def gather(
         or (name == "div" and _is_full(invals[1], eqn.outvars[0].aval.shape))  # 1/x
     )
     if widens or feeds_wide():
-        return Wide(eqn, invals, rule, stream, ctx)
+        return Wide(eqn, [unmove(x) for x in invals], rule, stream, ctx)
     return None
