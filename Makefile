@@ -10,6 +10,7 @@ OLDEST_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions
 	echo $(PYTHON))
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: test test-oldest demo bench clean
 
@@ -29,7 +30,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/python -m autocast demo $(DEMO_ARGS)
 
 bench: $(VENV)/.installed
-	$(VENV)/bin/python benchmarks/bench.py
+	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'

@@ -322,8 +322,10 @@ def narrowed(x: Any, var: Any) -> bool:
     """Whether ``x`` is a 16-bit value the program had in float32."""
     if isinstance(x, Wide) or _is_constant(x):
         return False
+    if var.aval.dtype != _F32:  # also keeps typed PRNG keys away from np.dtype
+        return False
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and np.dtype(dtype).itemsize == 2 and var.aval.dtype == _F32
+    return dtype is not None and np.dtype(dtype).itemsize == 2
 
 
 def _activation_dtype(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> Any:
