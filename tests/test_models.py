@@ -69,3 +69,21 @@ def test_gradients_close_to_float32(case):
         assert a.dtype == b.dtype
         scale = float(jnp.max(jnp.abs(b))) + 1e-6
         assert float(jnp.max(jnp.abs(a - b))) <= 0.05 * scale
+
+
+@pytest.mark.parametrize(
+    "config, batch",
+    [
+        (dict(vocab=64, d=64, layers=2, seq=32), 16),  # the demo's model and batch
+        (dict(vocab=256, d=128, layers=4, seq=64), 8),
+    ],
+)
+def test_gpt_activations_at_or_below_torch_autocast_and_hand_cast(config, batch):
+    # torch.autocast keeps 0.56-0.66x of its own float32 on these (benchmarks/torch_autocast.py)
+    key = jax.random.PRNGKey(0)
+    params = _models.init_gpt(key, **config)
+    tokens = _models.gpt_batch(key, batch=batch, seq=config["seq"], vocab=config["vocab"])
+    act = lambda f: _measure.residual_bytes(f, params, tokens, include_inputs=False)  # noqa: E731
+    amp_bytes = act(autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16))
+    assert amp_bytes <= 0.56 * act(_models.gpt_loss)
+    assert amp_bytes <= act(lambda p, t: _models.gpt_loss(p, t, jnp.bfloat16))
