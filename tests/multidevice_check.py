@@ -50,6 +50,17 @@ def main() -> None:
     assert dot_dtypes(jax.make_jaxpr(jax.grad(amp_fn, argnums=1))(x_sharded, w)) == {("bfloat16", "bfloat16")}
     print("shard_map ok")
 
+    # float32 partial sums that overflow float16 one by one but not summed: the psum runs on
+    # them as they are (casting before a sum is not casting after it)
+    def summed(part, w):
+        return jax.lax.psum(part[0], "d") @ w
+
+    sum_fn = shard_map(summed, mesh, (P("d"), P()), P())
+    parts = jnp.array([6e4, 6e4, -6e4, -5.9e4])[:, None, None] * jnp.ones((4, 1, 8))
+    got = jax.jit(autocast.amp(sum_fn, compute_dtype=jnp.float16))(parts, jnp.eye(8))
+    np.testing.assert_allclose(got, sum_fn(parts, jnp.eye(8)), rtol=1e-3)
+    print("psum ok")
+
     pfn = jax.pmap(lambda xb: jnp.tanh(xb @ w), axis_name="i")
     xs = x.reshape(4, 2, 4)
     amp_p = autocast.amp(pfn, compute_dtype=jnp.bfloat16)

@@ -70,6 +70,27 @@ def test_statistics_read_in_groups_share_the_activation_they_normalise():
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.05
 
 
+def test_a_reused_region_keeps_the_context_of_the_block_it_stands_for():
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    def ln(h):
+        m = jnp.mean(h, -1, keepdims=True)
+        return (h - m) * jax.lax.rsqrt(jnp.mean(jnp.square(h - m), -1, keepdims=True) + 1e-5)
+
+    def f(w, x):
+        h = ln(x @ w) @ w
+        with set_xla_metadata(tag="second"):
+            h = ln(h)
+        return jnp.sum(h @ w)
+
+    jaxpr = jaxpr_of(autocast.amp(f, compute_dtype=BF16), W, X)
+    tagged = [
+        any("second" in str(getattr(e.ctx, "xla_metadata", "")) for e in r.params["jaxpr"].eqns)
+        for r in _regions(jaxpr)
+    ]
+    assert not tagged[0] and any(tagged)  # the second norm's region is not the first's
+
+
 def test_regions_keep_gradients_close_to_float32_on_both_sides_of_grad():
     ref = jax.grad(layer_norm_mlp)(W, X)
     for g in (jax.grad(autocast.amp(layer_norm_mlp, compute_dtype=BF16)), autocast.amp(jax.grad(layer_norm_mlp), compute_dtype=BF16)):
@@ -197,22 +218,23 @@ def test_a_tensor_parallel_layer_communicates_16_bits_both_ways():
         assert g.dtype == F32 and float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.05
 
 
-def test_a_parameter_gathered_for_a_matrix_product_is_gathered_in_16_bits():
+def test_an_activation_gathered_for_a_matrix_product_is_gathered_in_16_bits():
     P = jax.sharding.PartitionSpec
     mesh = _mesh()
 
-    def local(w_shard, x):  # fully sharded data parallel: parameters gathered where used
-        return jnp.tanh(x @ jax.lax.all_gather(w_shard, "i", tiled=True))
+    def local(w, x):  # a float32 activation (exp runs in float32) gathered from its shards
+        return jnp.tanh(jax.lax.all_gather(jnp.exp(x * 0.1), "i", tiled=True) @ w)
 
-    fn = _shard_map(local, mesh, (P("i"), P("i")), P("i"))
+    fn = _shard_map(local, mesh, (P(), P("i")), P("i"))
     jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16), W, X)
     assert _collective_dtypes(jaxpr) == [("bfloat16",)]
-    # consumed by anything but matrix products, it is gathered as it is
-    def also_summed(w_shard, x):
-        w = jax.lax.all_gather(w_shard, "i", tiled=True)
-        return x @ w + w.sum(0)
 
-    other = _shard_map(also_summed, mesh, (P("i"), P("i")), P("i"))
+    # consumed by anything but matrix products, it is gathered as it is
+    def also_summed(w, x):
+        h = jax.lax.all_gather(jnp.exp(x * 0.1), "i", tiled=True)
+        return h @ w + h.sum(0)
+
+    other = _shard_map(also_summed, mesh, (P(), P("i")), P("i"))
     jaxpr = jaxpr_of(autocast.amp(lambda w, x: other(w, x).sum(), compute_dtype=BF16), W, X)
     assert _collective_dtypes(jaxpr) == [("float32",)]
     # and under a policy that keeps all_gather in float32, it is
@@ -220,6 +242,36 @@ def test_a_parameter_gathered_for_a_matrix_product_is_gathered_in_16_bits():
         key: autocast.use_full_precision if str(key) == "all_gather" else rule
         for key, rule in autocast.default_amp_policy.items()
     }
+    jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16, amp_policy=policy), W, X)
+    assert _collective_dtypes(jaxpr) == [("float32",)]
+
+
+def test_parameters_are_gathered_and_sums_made_in_their_own_dtype():
+    P = jax.sharding.PartitionSpec
+    mesh = _mesh()
+
+    def local(w_shard, x):  # fully sharded parameters: the gradient's reduction is the
+        w = jax.lax.all_gather(w_shard, "i", tiled=True)  # gather's transpose
+        return jnp.tanh(x @ w) + jax.lax.psum(jnp.exp(x * 0.1), "i") @ w
+
+    fn = _shard_map(local, mesh, (P("i"), P("i")), P("i"))
+    jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16), W, X)
+    assert sorted(_collective_dtypes(jaxpr)) == [("float32",), ("float32",)]
+
+
+def test_a_jit_in_a_compute_scope_is_not_taken_for_a_matrix_product():
+    P = jax.sharding.PartitionSpec
+    mesh = _mesh()
+    proj = jax.jit(lambda w, x: (x @ w, w))  # hands its weight back
+
+    def local(w, x):
+        h = jax.lax.all_gather(jnp.exp(w * 0.1), "i", tiled=True)
+        with jax.named_scope("proj"):
+            y, h2 = proj(h, x)
+        return y.sum(0) + h2.sum(0)  # h used in float32 outside the scope
+
+    fn = _shard_map(local, mesh, (P("i"), P()), P("i"))
+    policy = {**autocast.default_amp_policy, "proj": autocast.use_compute_precision}
     jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16, amp_policy=policy), W, X)
     assert _collective_dtypes(jaxpr) == [("float32",)]
 
@@ -263,6 +315,20 @@ def test_vmap_of_amp_spreads_a_closed_over_bias_and_nested_vmaps_agree():
     inside = autocast.amp(jax.vmap(jax.vmap(fn, (0, None)), (0, 0)), compute_dtype=BF16)
     assert _dtypes_of(jaxpr_of(outside, x, w)) == _dtypes_of(jaxpr_of(inside, x, w))
     np.testing.assert_allclose(jax.jit(outside)(x, w), jax.jit(inside)(x, w), rtol=1e-6)
+
+
+def test_vmap_of_amp_computes_from_unmapped_inputs_as_amp_of_vmap_does():
+    def scaled(x, w, log_scale):  # a learnt temperature: exp of an unmapped parameter
+        return jnp.tanh((x @ w) * jnp.exp(log_scale))
+
+    args = (X, W, jnp.zeros(()))
+    outside = jaxpr_of(jax.vmap(autocast.amp(scaled, compute_dtype=BF16), (0, None, None)), *args)
+    inside = jaxpr_of(autocast.amp(jax.vmap(scaled, (0, None, None)), compute_dtype=BF16), *args)
+    plain = jaxpr_of(autocast.amp(scaled, compute_dtype=BF16), *args)
+    names = {"exp", "mul", "tanh"}
+    pick = lambda j: [(e.primitive.name, tuple(v.aval.dtype.name for v in e.invars))  # noqa: E731
+                      for e in _measure.equations(j) if e.primitive.name in names]
+    assert pick(outside) == pick(inside) == pick(plain)
 
 
 def test_per_example_gradients_under_vmap_keep_the_bias_add_16_bit():

@@ -19,12 +19,14 @@ Every value has a kind that says how much its dtype should count:
   is data: a residual stream that starts at an embedding is 16-bit from the first block on,
   inside loops and checkpoints too, as a hand-cast model's is (a constant is not data: an
   accumulator that starts at ``jnp.zeros`` keeps its dtype).
-  Under ``jax.vmap(amp(f))`` the inputs the vmap leaves unmapped are SPREAD from the start,
-  as ``amp(jax.vmap(f))`` finds them broadcast, so both orders decide alike.
 - ``RAW``: an input of the function (a parameter, a batch) or a piece of one cut out by pure
   data movement. It keeps its dtype, so a float32 parameter updated by a 16-bit gradient is
   updated in float32.
 - ``STRONG``: anything computed.
+- ``UNMAPPED``: under ``jax.vmap(amp(f))``, an input the vmap does not map, or a piece of
+  one. It is RAW, except where it meets mapped data in an elementwise op: there
+  ``amp(jax.vmap(f))`` would see it broadcast over the batch, so it is SPREAD, and both
+  orders run a layer in the same dtypes.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from autocast.rules import (
     use_own_precision,
 )
 
-STRONG, RAW, WEAK, SPREAD = 0, 1, 2, 3
+STRONG, RAW, WEAK, SPREAD, UNMAPPED = 0, 1, 2, 3, 4
 ADAPTABLE = (WEAK, SPREAD)
 
 # Primitives that only move data: an input cut out by them is still an input. Of these,
@@ -80,7 +82,9 @@ def output_kind(name: str, invals: Sequence[Any], kinds: Sequence[int]) -> int:
     if all(k in ADAPTABLE for k in float_kinds):
         return SPREAD
     if name in _MOVEMENT and STRONG not in float_kinds:
-        return SPREAD if name in _SPREAD else RAW
+        if name in _SPREAD:
+            return SPREAD
+        return UNMAPPED if all(k in (UNMAPPED, WEAK) for k in float_kinds) else RAW
     return STRONG
 
 
@@ -220,7 +224,9 @@ class _Uses:
         for eqn in reversed(self._jaxpr.eqns):
             name = eqn.primitive.name
             if decide(eqn, self._ctx) is use_compute_precision:
-                ok = True
+                # a matrix product; a jit or loop in a compute-precision scope may pass the
+                # value on unchanged, so it is not one
+                ok = not _compat.sub_jaxpr_params(eqn.params)
             elif name in _MOVEMENT and name != "convert_element_type":
                 ok = all(verdict.get(v, False) and v not in outputs for v in eqn.outvars)
             else:
@@ -292,22 +298,50 @@ def _implicitly_spread(eqn: Any, kinds: Sequence[int]) -> Sequence[int]:
     return spread
 
 
+# Primitives whose batching rule broadcasts an unmapped operand against mapped ones.
+_BROADCASTS_UNMAPPED = _IMPLICIT_BROADCAST | {"concatenate"}
+
+
+def _unmapped_as(eqn: Any, invals: Sequence[Any], kinds: Sequence[int]) -> list[int]:
+    """``kinds`` with UNMAPPED inputs SPREAD where they meet mapped data (STRONG or RAW
+    floating values) in a primitive that would broadcast them, RAW elsewhere."""
+    meets = eqn.primitive.name in _BROADCASTS_UNMAPPED and any(
+        k in (STRONG, RAW) and is_floating_dtype(x.dtype) for k, x in zip(kinds, invals)
+    )
+    return [(SPREAD if meets else RAW) if k == UNMAPPED else k for k in kinds]
+
+
 # Rules that compute from the program's own dtypes (float32, or as recorded): a constant or a
 # broadcast parameter meeting a 16-bit activation there is not narrowed first, or the
 # exponent of ``x ** p`` would lose its bits on the way to a float32 pow.
 _WIDE_RULES = frozenset({use_full_precision, use_original_precision})
 
 
-def _cast_ahead(eqn: Any, invals: list[Any], ctx: Context, uses: _Uses) -> list[Any]:
-    """A collective's float32 inputs in the compute dtype when only matrix products consume
-    its outputs, which would cast them on arrival: half the traffic for the same numbers
-    forward (a parameter all-gathered from its shards), and the backward's collective (the
-    psum that ``pvary`` turns into) travels in 16 bits too."""
-    if not all(uses.feeds_only_compute(v) for v in eqn.outvars):
+# Collectives that move values without adding them: casting before or after them gives the
+# same numbers. (A psum is not one: summing 16-bit values rounds at each addition and can
+# overflow float16 where the float32 sum would not.)
+_EXACT_COLLECTIVES = frozenset({
+    "all_gather", "all_gather_invariant", "ppermute", "all_to_all", "pmax", "pmin", "pvary",
+    "pbroadcast",
+})
+
+
+def _cast_ahead(
+    eqn: Any, invals: list[Any], kinds: Sequence[int], ctx: Context, uses: _Uses | None
+) -> list[Any]:
+    """A collective's float32 activations in the compute dtype when only matrix products
+    consume its outputs, which would cast them on arrival: half the traffic for the same
+    forward numbers, and the backward's collective (the psum ``pvary`` turns into) travels
+    in 16 bits too, as a tensor-parallel layer's does in Megatron-LM. Only computed values
+    (STRONG): a parameter's transpose would be its gradient's reduction, which stays in the
+    parameter's dtype."""
+    if uses is None or not all(uses.feeds_only_compute(v) for v in eqn.outvars):
         return invals
     return [
-        cast_value(x, ctx.compute_dtype) if _castable(x, o) and x.dtype.itemsize > ctx.compute_dtype.itemsize else x
-        for x, o in zip(invals, (v.aval.dtype for v in eqn.invars))
+        cast_value(x, ctx.compute_dtype)
+        if k == STRONG and _castable(x, o) and x.dtype.itemsize > ctx.compute_dtype.itemsize
+        else x
+        for x, k, o in zip(invals, kinds, (v.aval.dtype for v in eqn.invars))
     ]
 
 
@@ -323,6 +357,8 @@ def apply_first_order(
     see :mod:`autocast.regions`). ``uses`` says how later equations use its outputs; ``moved``
     maps ``id`` of a reshaped activation to ``(value, reshape equation, activation)``."""
     original = [v.aval.dtype for v in eqn.invars]
+    if UNMAPPED in kinds:
+        kinds = _unmapped_as(eqn, invals, kinds)
     if RAW in kinds and eqn.primitive.name in _IMPLICIT_BROADCAST:
         kinds = _implicitly_spread(eqn, kinds)
     rule = decide(eqn, ctx)
@@ -349,8 +385,8 @@ def apply_first_order(
             invals = [_materialized(x) for x in invals]
         else:
             invals = adapt_weak(invals, kinds, original)
-    if rule is use_own_precision and _regions_on(ctx) and uses is not None:
-        invals = _cast_ahead(eqn, invals, ctx, uses)
+    if rule is use_own_precision and eqn.primitive.name in _EXACT_COLLECTIVES and _regions_on(ctx):
+        invals = _cast_ahead(eqn, invals, kinds, ctx, uses)
     invars, params = _checked_rule_output(
         rule, eqn, rule(ctx.compute_dtype, original, *invals, **eqn.params), len(invals)
     )

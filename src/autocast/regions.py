@@ -264,6 +264,17 @@ class traced_regions:
         _traced_regions.pop()
 
 
+def _equation_key(eqn: Any) -> tuple:
+    """What an equation of a region binds with: primitive, parameters, and the context the
+    traced copy carries on (name stack, source lines, XLA metadata, compute placement), so
+    a reused region reports the blocks it stands for, not the first one's."""
+    info = eqn.source_info
+    return (
+        eqn.primitive, tuple(sorted(eqn.params.items())), str(info.name_stack), info.traceback,
+        getattr(eqn, "ctx", None),
+    )
+
+
 def _structure(
     root: Wide, position: dict[int, int], replayed: set[int], leaves: Sequence[Any], dtype: np.dtype
 ) -> Any:
@@ -282,16 +293,14 @@ def _structure(
             if isinstance(arg, Wide):
                 refs.append(("n", visit(arg)))
             elif id(arg) in replayed:
-                params = tuple(sorted(arg.eqn.params.items()))
-                refs.append(("m", arg.eqn.primitive, params, position[id(arg.source)]))
+                refs.append(("m", *_equation_key(arg.eqn), position[id(arg.source)]))
             elif isinstance(arg, Moved):
                 refs.append(("l", position[id(arg.value)]))
             elif _is_constant(arg):
                 refs.append(("c", np.asarray(arg).dtype.str, np.shape(arg), np.asarray(arg).tobytes()))
             else:
                 refs.append(("l", position[id(arg)]))
-        eqn = node.eqn
-        rows.append((eqn.primitive, tuple(sorted(eqn.params.items())), tuple(refs), str(eqn.source_info.name_stack)))
+        rows.append((*_equation_key(node.eqn), tuple(refs)))
         order[id(node)] = index = len(order)
         return index
 

@@ -274,9 +274,10 @@ def use_own_precision(
     """Every input keeps the dtype it arrives in, each on its own: for collectives, whose
     operands are independent values travelling together (a 16-bit activation crosses the
     network in 16 bits, a float32 one in float32). Under 16-bit compute, when only matrix
-    products consume a collective's results, amp casts its float32 inputs to the compute
-    dtype first, as the products would on arrival: a parameter all-gathered from its shards
-    travels in 16 bits, and so does the gradient of a value ``pvary`` marks.
+    products consume the results of a collective that adds nothing (a gather, a permute,
+    ``pvary``), amp casts its computed float32 activations to the compute dtype first, as the
+    products would on arrival; the gradient of a value ``pvary`` marks is then summed in 16
+    bits. Parameters and sums keep their dtype.
 
     >>> import autocast, jax.numpy as jnp
     >>> (a, b), _ = autocast.use_own_precision(jnp.bfloat16, [jnp.float32] * 2,
@@ -353,15 +354,15 @@ _SQUARE = (
 _KERNEL = "original precision: a kernel is written for the dtypes it was given"
 _VARYING_MARK = (
     "each input as it arrives: marks a value as varying over devices, moves nothing; its"
-    " transpose is a psum, so a float32 value only matrix products consume is marked in the"
-    " compute dtype and its gradient summed in 16 bits"
+    " transpose is a psum, so a computed float32 activation only matrix products consume is"
+    " marked in the compute dtype and its gradient summed in 16 bits"
 )
 _COLLECTIVE = (
     "each input as it arrives: a 16-bit activation travels in 16 bits (half the traffic,"
-    " Megatron's tensor-parallel partial sums), float32 stays float32 unless only matrix"
-    " products consume the result (then it travels in the compute dtype they would cast it"
-    " to). A 16-bit psum adds the devices' partial sums in 16 bits: for float32 sums give"
-    " this row use_full_precision (docs/default_policy.md, Collectives)"
+    " Megatron's tensor-parallel partial sums), float32 stays float32 (a computed activation"
+    " only matrix products consume moves in the compute dtype where nothing is added). A"
+    " 16-bit psum adds the devices' partial sums in 16 bits: for float32 sums give this row"
+    " use_full_precision (docs/default_policy.md, Collectives)"
 )
 
 # (primitive name, precision function, reason). Rows for primitives that a JAX version lacks

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from autocast import _compat, closures
 from autocast._tree import is_array, is_floating_dtype
-from autocast.interpreter import RAW, SPREAD, Context, eval_jaxpr
+from autocast.interpreter import RAW, UNMAPPED, Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
 from autocast.rules import cast_value, default_amp_policy
 
@@ -103,15 +103,15 @@ class _Traced:
 
 def _spread_by_vmap(consts: Sequence[Any], args: Sequence[Any]) -> list[int] | None:
     """Kinds for the constants and arguments when ``jax.vmap(amp(f))`` maps some of them and
-    not others, else None. An unmapped one is SPREAD, as the ``broadcast_in_dim`` that
-    ``amp(jax.vmap(f))`` sees on it makes it: both orders then give a bias add the same dtype."""
+    not others, else None: the unmapped ones are UNMAPPED (see :mod:`autocast.interpreter`),
+    so both orders give a bias add the same dtype."""
     if not any(isinstance(x, jax.core.Tracer) for x in args):
         return None
     mapped = [_compat.vmapped_by(x) for x in (*consts, *args)]
     every = frozenset().union(*mapped)
     if not every:
         return None
-    return [SPREAD if m != every else RAW for m in mapped]
+    return [UNMAPPED if m != every else RAW for m in mapped]
 
 
 def _restore(x: Any, aval: Any) -> Any:
