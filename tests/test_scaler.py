@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import autocast
-from autocast import _models
+from autocast import _measure, _models
 from conftest import eqns_named
 
 FIELDS = ("patience", "adjust_factor", "scaler", "count", "total_resets")
@@ -1173,3 +1173,27 @@ def test_dynamic_scale_tx_rejects_bad_arguments():
         autocast.dynamic_scale_tx(jax.grad)(lambda x: {"l": x})(
             jnp.float32(1.0), dynamic_scaler_state=autocast.DynamicScalerState()
         )
+
+
+# --- which gradients overflowed ------------------------------------------------------------
+
+def test_a_skipped_step_says_which_gradient_leaves_overflowed():
+    def loss(p, x):  # the first product's cotangent is 10 * 2**15: inf in float16
+        return 10.0 * jnp.sum(x @ p["big"]) + 1e-3 * jnp.sum(x @ p["small"])
+
+    amp_loss = autocast.amp(loss, compute_dtype=jnp.float16)
+    grad_fn = autocast.dynamic_scale_value_and_grad(amp_loss, redo_on_nan=0)  # skip, do not retry
+
+    @jax.jit
+    def step(params, scaler, x):
+        scaler, (_, grads) = grad_fn(params, x, dynamic_scaler_state=scaler)
+        return scaler, autocast.nonfinite_leaves(grads)
+
+    params = {"big": jnp.ones((4, 4)), "small": jnp.ones((4, 4)), "count": jnp.int32(3)}
+    x = jnp.ones((2, 4))
+    jaxpr = jax.make_jaxpr(step)(params, autocast.DynamicScalerState(), x)
+    assert not any("callback" in e.primitive.name for e in _measure.equations(jaxpr))  # no host sync
+    scaler, flags = step(params, autocast.DynamicScalerState(), x)
+    assert float(scaler.scaler) < 2.0**15  # the step was skipped and the scale lowered
+    assert flags["count"] is None  # not differentiated (filter=True): no gradient, no flag
+    assert autocast.nonfinite_paths(flags) == ["['big']"]

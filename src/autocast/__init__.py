@@ -16,6 +16,8 @@ from autocast.loss_scale import (
     StaticLossScale,
     all_finite,
     next_loss_scale,
+    nonfinite_leaves,
+    nonfinite_paths,
     select_tree,
 )
 from autocast.policy import (
@@ -74,6 +76,8 @@ __all__ = [
     "get_policy",
     "half_dtype",
     "next_loss_scale",
+    "nonfinite_leaves",
+    "nonfinite_paths",
     "parse_dtype",
     "report",
     "select_tree",

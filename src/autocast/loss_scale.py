@@ -369,6 +369,46 @@ def all_finite(tree: Any) -> jax.Array:
     return functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in leaves])
 
 
+def nonfinite_leaves(tree: Any) -> Any:
+    """Leaf by leaf, a boolean scalar: does this floating leaf hold an inf or NaN?
+
+    The tree of :func:`all_finite`'s answer, for finding out *which* gradients overflowed
+    when a dynamically scaled step was skipped. Computed on device with no host
+    synchronisation: return it from the jitted step and read it outside (see
+    :func:`nonfinite_paths`). Integer, boolean and non-array leaves are ``False``.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> autocast.nonfinite_leaves({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf]), "n": 3})
+    {'a': Array(False, dtype=bool), 'b': Array(True, dtype=bool), 'n': Array(False, dtype=bool)}
+    """
+    def flag(x: Any) -> jax.Array:
+        return jnp.logical_not(jnp.isfinite(x).all()) if is_inexact_array(x) else jnp.array(False)
+
+    return jax.tree_util.tree_map(flag, tree)
+
+
+def nonfinite_paths(flags: Any) -> list[str]:
+    """The key paths of the leaves :func:`nonfinite_leaves` flagged, in tree order.
+
+    Reads the flags on the host: call it outside the compiled step, on what it returned
+    (a tree of gradients works too, and is checked the same way).
+
+    >>> import autocast, jax.numpy as jnp
+    >>> grads = {"head": {"w": jnp.array([jnp.nan])}, "embed": jnp.ones(2)}
+    >>> autocast.nonfinite_paths(autocast.nonfinite_leaves(grads))
+    ["['head']['w']"]
+    """
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(flags):
+        if is_inexact_array(leaf):
+            bad = not bool(jnp.isfinite(leaf).all())
+        else:
+            bad = bool(getattr(leaf, "dtype", None) == jnp.bool_ and jnp.any(leaf))
+        if bad:
+            found.append(jax.tree_util.keystr(path))
+    return found
+
+
 def select_tree(pred: Any, a: T, b: T) -> T:
     """Leaf by leaf, ``a`` where the boolean scalar ``pred`` holds, else ``b``.
 
