@@ -22,6 +22,8 @@ Run: ``.venv/bin/python benchmarks/model_families.py [--steps 200]``
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -31,6 +33,9 @@ import optax
 
 import autocast
 from autocast import _measure
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _training  # noqa: E402
 
 
 class CNN(nn.Module):
@@ -166,27 +171,8 @@ def generated_tokens(step: jax.Array, batch: int = 16, seq: int = 32, vocab: int
 
 
 def train(loss: Callable[..., jax.Array], params: Any, batches: Batches, steps: int = 200) -> float:
-    """Final loss of ``steps`` Adam steps (learning rate 1e-3) on fresh batches: the mean
-    over the last 20 steps, so that one noisy batch does not decide a comparison."""
-    optimizer = optax.adam(1e-3)
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
-        value, grads = jax.value_and_grad(loss)(params, *batches(i))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    opt_state, losses = optimizer.init(params), []
-    for i in range(steps):
-        params, opt_state, value = step(params, opt_state, jnp.asarray(i))
-        losses.append(value)
-    return float(jnp.mean(jnp.stack(losses[-20:])))
-
-
-def _rel(a: Any, b: Any) -> float:
-    da = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in jax.tree_util.tree_leaves(a)])
-    db = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in jax.tree_util.tree_leaves(b)])
-    return float(jnp.linalg.norm(da - db) / jnp.linalg.norm(db))
+    """Final loss of ``steps`` Adam steps on fresh batches: the mean over the last 20."""
+    return _training.final_loss(loss, params, batches, steps, last=20)
 
 
 def measure(make: Callable[[Any], nn.Module], batches: Batches, steps: int = 200) -> dict[str, dict]:
@@ -207,7 +193,7 @@ def measure(make: Callable[[Any], nn.Module], batches: Batches, steps: int = 200
         rows[name] = {
             "act": _measure.residual_bytes(fn, params, x, y, include_inputs=False),
             "loss_dev": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-            "grad_err": _rel(grad, ref_grad),
+            "grad_err": _measure.relative_error(grad, ref_grad),
         }
         if steps:
             rows[name]["trained"] = train(fn, params, batches, steps)

@@ -22,6 +22,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import jax  # noqa: E402
@@ -32,6 +34,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autocast  # noqa: E402
 from autocast import _measure  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _training  # noqa: E402
 
 COLLECTIVES = frozenset({
     "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "ppermute",
@@ -96,19 +101,7 @@ def communicated(jaxpr: Any) -> tuple[int, list[tuple[str, str]]]:
 
 def train(loss: Callable[..., jax.Array], params: Any, steps: int) -> float:
     """Mean loss of the last 10 of ``steps`` Adam steps."""
-    optimizer = optax.adam(1e-3)
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
-        value, grads = jax.value_and_grad(loss)(params, *batch(i))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    opt_state, losses = optimizer.init(params), []
-    for i in range(steps):
-        params, opt_state, value = step(params, opt_state, jnp.asarray(i))
-        losses.append(value)
-    return float(jnp.mean(jnp.stack(losses[-10:])))
+    return _training.final_loss(loss, params, batch, steps, last=10)
 
 
 def main(steps: int = 50) -> dict[str, dict]:

@@ -17,18 +17,12 @@ import jax
 import jax.numpy as jnp
 
 import autocast
+from autocast import _measure
 
 BF16 = jnp.bfloat16
 KEYS = jax.random.split(jax.random.key(7), 8)
 W = jax.random.normal(KEYS[0], (16, 8)) / 4
 X = jax.random.normal(KEYS[1], (4, 16))
-
-
-def _rel(got: Any, want: Any) -> float:
-    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
-    num = sum(float(jnp.sum((jnp.asarray(g, jnp.float32) - w) ** 2)) for g, w in zip(got, want))
-    den = sum(float(jnp.sum(jnp.asarray(w, jnp.float32) ** 2)) for w in want)
-    return (num / den) ** 0.5
 
 
 def custom_gradient(x: Any, w: Any) -> Any:
@@ -143,7 +137,7 @@ def measure(loss: Callable[..., Any], args: tuple) -> dict[str, Any]:
             same = [x.dtype for x in jax.tree_util.tree_leaves(got)] == [
                 x.dtype for x in jax.tree_util.tree_leaves(want)
             ]
-            row[name] = _rel(got, want) if same else "wrong dtypes"
+            row[name] = _measure.relative_error(got, want) if same else "wrong dtypes"
         except Exception as e:
             row[name] = f"{type(e).__name__}"
             traceback.print_exc()

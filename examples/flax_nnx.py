@@ -51,7 +51,7 @@ class ConvNet(nnx.Module):
 
 
 def make_data(key: jax.Array, n: int = 32) -> tuple[jax.Array, jax.Array]:
-    """Images whose class is the colour channel and quadrant that is brightest."""
+    """Images whose class is the quadrant holding a bright square."""
     kx, kc = jax.random.split(key)
     labels = jax.random.randint(kc, (n,), 0, 4)
     x = 0.3 * jax.random.normal(kx, (n, 12, 12, 3))

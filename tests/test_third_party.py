@@ -14,16 +14,10 @@ import numpy as np
 import pytest
 
 import autocast
+from autocast import _measure
 
 BF16 = jnp.bfloat16
 KEYS = jax.random.split(jax.random.key(7), 8)
-
-
-def rel_error(got, want) -> float:
-    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
-    num = sum(float(jnp.sum((jnp.asarray(g, jnp.float32) - w) ** 2)) for g, w in zip(got, want))
-    den = sum(float(jnp.sum(jnp.asarray(w, jnp.float32) ** 2)) for w in want)
-    return (num / den) ** 0.5
 
 
 def dtypes(tree):
@@ -79,7 +73,7 @@ def check_three_ways(loss, args, *, tol, argnums=0):
     errors = []
     for got in (outside, inside):
         assert dtypes(got) == dtypes(want)
-        errors.append(rel_error(got, want))
+        errors.append(_measure.relative_error(got, want))
     assert max(errors) < tol, errors
     return errors
 
@@ -157,7 +151,7 @@ def test_closure_rules_under_vmap_and_jit():
     amp_loss = autocast.amp(custom_vjp_loss, compute_dtype=BF16)
     per_example = jax.jit(jax.vmap(jax.grad(amp_loss), in_axes=(0, None)))(X[:, None], W)
     want = jax.vmap(jax.grad(custom_vjp_loss), in_axes=(0, None))(X[:, None], W)
-    assert rel_error(per_example, want) < 0.05
+    assert _measure.relative_error(per_example, want) < 0.05
 
 
 def symbolic_zeros_loss(x, w):

@@ -1,7 +1,8 @@
-"""Measures of what mixed precision did to a program (SPEC 5), read off its jaxpr.
+"""Measures of what mixed precision did to a program (SPEC 5), read off its jaxpr, and how
+far its results moved from float32's.
 
 Used by the tests, the benchmarks and the report. Everything here is backend-independent:
-shapes and dtypes, not timings.
+shapes, dtypes and values, not timings.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
@@ -141,3 +143,12 @@ def residual_bytes(fn: Callable[..., Any], *args: Any, include_inputs: bool = Tr
         for v in jaxpr.outvars
         if include_inputs or isinstance(v, _compat.Literal) or v not in inputs
     )
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """Relative L2 error of the pytree ``got`` against ``want``, over all leaves at once,
+    computed in float32 (a 16-bit ``got`` is compared as it is)."""
+    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    num = sum(float(jnp.sum((jnp.asarray(g, jnp.float32) - w) ** 2)) for g, w in zip(got, want))
+    den = sum(float(jnp.sum(jnp.asarray(w, jnp.float32) ** 2)) for w in want)
+    return (num / den) ** 0.5

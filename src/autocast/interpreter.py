@@ -172,13 +172,11 @@ def _as_region_input(x: Any, ctx: Context) -> Any:
     return x
 
 
-def _unmoved(x: Any, moved: Mapping[int, tuple]) -> Any:
-    """``x`` marked with the activation it was reshaped from, if it was (see
-    :class:`autocast.regions.Moved`)."""
-    hit = moved.get(id(x))
-    if hit is None or hit[0] is not x:
-        return x
-    return regions.Moved(*hit)
+def _unmoved(var: Any, x: Any, moved: Mapping[Any, tuple]) -> Any:
+    """``x``, the value of ``var``, marked with the activation it was reshaped from if it was
+    (see :class:`autocast.regions.Moved`)."""
+    hit = None if isinstance(var, _compat.Literal) else moved.get(var)
+    return x if hit is None else regions.Moved(x, *hit)
 
 
 # Movements whose result is the same buffer in another shape, which a region can replay.
@@ -351,11 +349,11 @@ def apply_first_order(
     kinds: Sequence[int],
     ctx: Context,
     uses: _Uses | None = None,
-    moved: Mapping[int, tuple] | None = None,
+    moved: Mapping[Any, tuple] | None = None,
 ) -> Any:
     """Decides, casts and binds one first-order equation (or gathers it into a wide region,
     see :mod:`autocast.regions`). ``uses`` says how later equations use its outputs; ``moved``
-    maps ``id`` of a reshaped activation to ``(value, reshape equation, activation)``."""
+    maps a variable holding a reshaped activation to ``(reshape equation, activation)``."""
     original = [v.aval.dtype for v in eqn.invars]
     if UNMAPPED in kinds:
         kinds = _unmapped_as(eqn, invals, kinds)
@@ -369,10 +367,11 @@ def apply_first_order(
             data = [k in (STRONG, RAW) for k in kinds]
             if gatherable:
                 nodes = [_as_region_input(x, ctx) for x in invals]
+                starts = [_unmoved(v, x, moved) for v, x in zip(eqn.invars, nodes)] if moved else nodes
                 out = regions.gather(
                     eqn, nodes, data, rule, ctx,
                     feeds_wide=lambda: uses is not None and uses.feeds_float32(eqn.outvars[0]),
-                    unmove=lambda x: _unmoved(x, moved) if moved else x,
+                    starts=starts,
                 )
                 if out is not None:
                     return out
@@ -406,13 +405,15 @@ def eval_jaxpr(
     args: Sequence[Any],
     ctx: Context,
     arg_kinds: Sequence[int] | None = None,
+    const_kinds: Sequence[int] | None = None,
 ) -> list[Any]:
     """Evaluates an open ``jaxpr`` on ``args`` under ``ctx``; returns the output values.
 
-    ``arg_kinds`` gives the kind of each argument (default: all RAW, the function's inputs).
+    ``arg_kinds`` and ``const_kinds`` give the kind of each argument and constant (default:
+    all RAW, the function's inputs).
     """
     with cast_memo(), regions.traced_regions():
-        outs, _ = _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds)
+        outs, _ = _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds, const_kinds)
         return [_materialized(x) for x in outs]
 
 
@@ -430,6 +431,7 @@ def _eval_jaxpr(
     args: Sequence[Any],
     ctx: Context,
     arg_kinds: Sequence[int] | None,
+    const_kinds: Sequence[int] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """The outputs of ``jaxpr`` (deferred and wide values not yet emitted) and their kinds."""
     from autocast.higher_order import handler_for
@@ -437,10 +439,10 @@ def _eval_jaxpr(
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
     uses = _Uses(jaxpr, ctx)
-    moved: dict[int, tuple] = {}
-    for var, value in zip(jaxpr.constvars, consts):
+    moved: dict[Any, tuple] = {}
+    for i, (var, value) in enumerate(zip(jaxpr.constvars, consts)):
         env[var] = value
-        kind_of[var] = RAW
+        kind_of[var] = RAW if const_kinds is None else const_kinds[i]
     for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
         env[var] = value
         kind_of[var] = WEAK if var.aval.weak_type else (RAW if arg_kinds is None else arg_kinds[i])
@@ -478,7 +480,7 @@ def _eval_jaxpr(
             if handler is None:
                 outs = apply_first_order(eqn, invals, kinds, ctx, uses, moved)
                 if eqn.primitive.name in _RESHAPES and regions.narrowed(invals[0], eqn.invars[0]):
-                    moved[id(outs)] = (outs, eqn, invals[0])
+                    moved[eqn.outvars[0]] = (eqn, invals[0])
             else:
                 outs = handler(eqn, [_materialized(x) for x in invals], kinds, ctx)
         if not eqn.primitive.multiple_results:

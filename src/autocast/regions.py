@@ -182,17 +182,20 @@ def _leaves(node: Wide, found: dict[int, Any], moves: list[Moved], seen: set[int
             found.setdefault(id(arg), arg)
 
 
-def _inputs(root: Wide) -> tuple[list[Any], set[int]]:
-    """The region's inputs, and the ``id`` of each :class:`Moved` input it replays from
-    another input rather than reads."""
+def _inputs(root: Wide) -> tuple[list[Any], dict[int, Any]]:
+    """The region's inputs, and what each :class:`Moved` argument stands for (by ``id``):
+    the movement replayed on its source where the source is an input anyway, else the
+    moved value itself, an input of its own."""
     found: dict[int, Any] = {}
     moves: list[Moved] = []
     _leaves(root, found, moves, set())
-    replayed = {id(m) for m in moves if id(m.source) in found}
+    resolved = {
+        id(m): replay(m.eqn, m.source, root.ctx) if id(m.source) in found else m.value for m in moves
+    }
     for m in moves:
-        if id(m) not in replayed:
+        if id(m.source) not in found:
             found.setdefault(id(m.value), m.value)
-    return list(found.values()), replayed
+    return list(found.values()), resolved
 
 
 def _is_constant(x: Any) -> bool:
@@ -200,7 +203,7 @@ def _is_constant(x: Any) -> bool:
 
 
 def _emit(root: Wide, dtype: np.dtype) -> Any:
-    leaves, replayed = _inputs(root)
+    leaves, resolved = _inputs(root)
     position = {id(x): i for i, x in enumerate(leaves)}
 
     def region(*values: Any) -> Any:
@@ -214,17 +217,9 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
                 ins = []
                 for arg, var in zip(node.args, node.eqn.invars):
                     original = var.aval.dtype
+                    arg = resolved.get(id(arg), arg)
                     if isinstance(arg, Wide):
                         value = evaluate(arg)
-                    elif id(arg) in replayed:
-                        source = values[position[id(arg.source)]]
-                        (moved_var,) = arg.eqn.invars
-                        if _castable(source, moved_var.aval.dtype):
-                            source = cast_value(source, moved_var.aval.dtype)
-                        with _compat.equation_context(arg.eqn):
-                            value = _compat.bind_equation(arg.eqn, [source], arg.eqn.params)
-                    elif isinstance(arg, Moved):
-                        value = values[position[id(arg.value)]]
                     else:
                         value = arg if _is_constant(arg) else values[position[id(arg)]]
                     ins.append(cast_value(value, original) if _castable(value, original) else value)
@@ -239,7 +234,7 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
             return cast_value(out, dtype) if _castable(out, dtype) else out
 
     cache = _traced_regions[-1] if _traced_regions and root.ctx.observer is None else None
-    key = _structure(root, position, replayed, leaves, dtype) if cache is not None else None
+    key = _structure(root, position, resolved, leaves, dtype) if cache is not None else None
     if key is None:
         return jax.checkpoint(region, prevent_cse=False, policy=save_nothing)(*leaves)
     traced = cache.get(key)
@@ -276,7 +271,7 @@ def _equation_key(eqn: Any) -> tuple:
 
 
 def _structure(
-    root: Wide, position: dict[int, int], replayed: set[int], leaves: Sequence[Any], dtype: np.dtype
+    root: Wide, position: dict[int, int], resolved: dict[int, Any], leaves: Sequence[Any], dtype: np.dtype
 ) -> Any:
     """A hashable description of the region ``root`` heads: its equations, how they connect,
     their constants, the inputs' types and the stored dtype. None where something in it
@@ -290,12 +285,9 @@ def _structure(
             return index
         refs = []
         for arg in node.args:
+            arg = resolved.get(id(arg), arg)
             if isinstance(arg, Wide):
                 refs.append(("n", visit(arg)))
-            elif id(arg) in replayed:
-                refs.append(("m", *_equation_key(arg.eqn), position[id(arg.source)]))
-            elif isinstance(arg, Moved):
-                refs.append(("l", position[id(arg.value)]))
             elif _is_constant(arg):
                 refs.append(("c", np.asarray(arg).dtype.str, np.shape(arg), np.asarray(arg).tobytes()))
             else:
@@ -317,8 +309,9 @@ def _structure(
 
 
 def replay(eqn: Any, operand: Any, ctx: Any) -> Wide:
-    """A broadcast not yet emitted, to be replayed inside a region: a region then keeps the
-    small operand as its input, not the broadcast value."""
+    """A movement replayed inside a region on its operand: a broadcast not yet emitted (the
+    region keeps the small operand as its input, not the broadcast value), or a reshape of
+    an activation the region reads anyway (see :class:`Moved`)."""
     return Wide(eqn, [operand], use_input_precision, None, ctx)
 
 
@@ -379,7 +372,7 @@ def gather(
     rule: Any,
     ctx: Any,
     feeds_wide: Callable[[], bool],
-    unmove: Callable[[Any], Any] = lambda x: x,
+    starts: Sequence[Any] | None = None,
 ) -> Any:
     """Gathers ``eqn`` (for which :func:`may_gather` holds) into a region, or ends one; None
     where ``eqn`` runs as usual.
@@ -387,8 +380,8 @@ def gather(
     ``data`` marks the inputs that are data rather than constants or broadcast parameters
     (the interpreter's STRONG and RAW values). ``feeds_wide()`` says whether the result goes
     on into a float32 rule (the shift of a softmax before its ``exp``); it is asked last, as
-    answering it reads the whole jaxpr once. ``unmove`` gives, for an input that starts a
-    region, what the region should read instead (the activation a reshaped one came from).
+    answering it reads the whole jaxpr once. ``starts`` are the inputs a region that starts
+    here reads (a :class:`Moved` for a reshaped activation); by default ``invals``.
     """
     name = eqn.primitive.name
     wide = [x for x in invals if isinstance(x, Wide) and x.stream is not None]
@@ -404,7 +397,7 @@ def gather(
         # normalises the activation reads anyway, so the activation is cast once
         x = invals[0]
         if data[0] and narrowed(x, eqn.invars[0]):
-            return Wide(eqn, [unmove(x), *invals[1:]], rule, x.dtype, ctx)
+            return Wide(eqn, invals if starts is None else starts, rule, x.dtype, ctx)
         return None
     if name not in ELEMENTWISE or stream32:
         return None
@@ -421,5 +414,5 @@ def gather(
         or (name == "div" and _is_full(invals[1], eqn.outvars[0].aval.shape))  # 1/x
     )
     if widens or feeds_wide():
-        return Wide(eqn, [unmove(x) for x in invals], rule, stream, ctx)
+        return Wide(eqn, invals if starts is None else starts, rule, stream, ctx)
     return None

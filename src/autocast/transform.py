@@ -89,29 +89,27 @@ class _Traced:
         weak types (``amp(lambda a: a * 2)(1.0)`` is weak, as under ``jax.jit``)."""
 
         def run(*args: Any) -> list[Any]:
-            jaxpr, consts, kinds = self.jaxpr.jaxpr, self.jaxpr.consts, None
-            spread = _spread_by_vmap(consts, args)
-            if spread is not None:
-                jaxpr, consts = _compat.open_jaxpr(self.jaxpr)
-                args, kinds = (*consts, *args), spread
-                consts = []
-            outs = eval_jaxpr(jaxpr, consts, args, ctx, kinds)
+            consts = self.jaxpr.consts
+            # under jax.vmap(amp(f)): which vmaps map each constant and argument
+            const_maps = [_compat.vmapped_by(x) for x in consts]
+            arg_maps = [_compat.vmapped_by(x) for x in args]
+            every = frozenset().union(*const_maps, *arg_maps)
+            outs = eval_jaxpr(
+                self.jaxpr.jaxpr, consts, args, ctx,
+                arg_kinds=_unmapped(arg_maps, every), const_kinds=_unmapped(const_maps, every),
+            )
             return [_restore(x, a) for x, a in zip(outs, self.out_avals)]
 
         return run
 
 
-def _spread_by_vmap(consts: Sequence[Any], args: Sequence[Any]) -> list[int] | None:
-    """Kinds for the constants and arguments when ``jax.vmap(amp(f))`` maps some of them and
-    not others, else None: the unmapped ones are UNMAPPED (see :mod:`autocast.interpreter`),
-    so both orders give a bias add the same dtype."""
-    if not any(isinstance(x, jax.core.Tracer) for x in args):
-        return None
-    mapped = [_compat.vmapped_by(x) for x in (*consts, *args)]
-    every = frozenset().union(*mapped)
+def _unmapped(mapped_by: Sequence[frozenset], every: frozenset) -> list[int] | None:
+    """Kinds for values when ``jax.vmap(amp(f))`` maps some inputs and not others, else None:
+    those not mapped by every vmap are UNMAPPED (see :mod:`autocast.interpreter`), so both
+    orders give a bias add the same dtype."""
     if not every:
         return None
-    return [UNMAPPED if m != every else RAW for m in mapped]
+    return [UNMAPPED if m != every else RAW for m in mapped_by]
 
 
 def _restore(x: Any, aval: Any) -> Any:
