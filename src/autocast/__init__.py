@@ -4,10 +4,12 @@
 parts in float32, through ``jit``, ``grad`` and ``vmap``. Policies and casting helpers
 (``Policy``, ``get_policy``, ``cast_to_half``, ...) and loss-scale objects
 (``DynamicLossScale``, ``all_finite``, ...) keep the names of ``jaxamp`` and ``jmp``, so
-code written for them ports by changing its import line. Loss scaling for float16 training:
+code written for them ports by changing its import line. ``diagnose(fn)`` finds the equation,
+and the line, where mixed precision lost accuracy or overflowed. Loss scaling for float16 training:
 ``DynamicScalerState`` with ``dynamic_scale_value_and_grad``, or ``autocast.optax`` (optional).
 """
 
+from autocast.diagnose import Diagnosis, Entry, diagnose
 from autocast.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -54,8 +56,10 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "DEFAULT_PRECISION_TABLE",
+    "Diagnosis",
     "DynamicLossScale",
     "DynamicScalerState",
+    "Entry",
     "LossScale",
     "LossScaleUpdate",
     "NoOpLossScale",
@@ -69,6 +73,7 @@ __all__ = [
     "cast_to_half",
     "cast_tree",
     "default_amp_policy",
+    "diagnose",
     "describe_default_policy",
     "dynamic_scale_grad",
     "dynamic_scale_tx",

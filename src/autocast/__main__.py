@@ -1,5 +1,6 @@
-"""Command line: ``python -m autocast demo`` (the main job) and ``python -m autocast policy``
-(the default policy as Markdown)."""
+"""Command line: ``python -m autocast demo`` (the main job), ``python -m autocast policy``
+(the default policy as Markdown) and ``python -m autocast diagnose`` (the numerics debugger
+on the demo's model)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def _demo(args: argparse.Namespace) -> None:
     print(f"plot and figures written to {args.out}/")
 
 
+def _diagnose(args: argparse.Namespace) -> None:
+    from autocast.demo import diagnose_demo
+
+    print(diagnose_demo(args.dtype, harmful=not args.default_policy, rows=args.rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m autocast", description="jax-autocast tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +49,16 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--steps", type=int, default=600, help="training steps per run")
     demo.add_argument("--out", default="autocast-demo", help="folder for the plot and figures")
     demo.set_defaults(run=_demo)
+    diagnose = commands.add_parser(
+        "diagnose",
+        help="find where mixed precision hurts the demo's gradient (float16, a harmful policy)",
+    )
+    diagnose.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    diagnose.add_argument(
+        "--default-policy", action="store_true", help="diagnose the default policy instead"
+    )
+    diagnose.add_argument("--rows", type=int, default=12, help="table rows to print")
+    diagnose.set_defaults(run=_diagnose)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -184,3 +184,46 @@ def _plot(results: dict[str, dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def harmful_policy() -> dict:
+    """The default policy with the softmax and cross-entropy's exponentials, logarithms and
+    sums moved to the compute dtype: what a careless hand-written policy does."""
+    bad = {p: autocast.use_compute_precision for p in (jax.lax.exp_p, jax.lax.log_p, jax.lax.reduce_sum_p)}
+    return {**autocast.default_amp_policy, **bad}
+
+
+def diagnose_demo(dtype: str = "float16", *, harmful: bool = True, rows: int = 12, seed: int = 0) -> str:
+    """The numerics debugger on a float16 training step's gradient of the demo's GPT (its
+    size, a batch of its text, the loss multiplied by the loss scale float16 training
+    starts from, 2**15): the table, then what the suggested policy does to the error."""
+    config = dict(vocab=len(ALPHABET), d=64, layers=2, seq=32)
+    params = _models.init_gpt(jax.random.PRNGKey(seed), **config)
+    tokens = next(batches(corpus(seed=seed), batch=16, seq=config["seq"], seed=seed))
+    policy = harmful_policy() if harmful else None
+
+    def scaled_loss(params: Any, tokens: Any) -> Any:
+        return _models.gpt_loss(params, tokens) * 2.0**15
+
+    grad = jax.grad(scaled_loss)
+    start = time.perf_counter()
+    d = autocast.diagnose(grad, compute_dtype=dtype, amp_policy=policy)(params, tokens)
+    took = time.perf_counter() - start
+    cured = autocast.diagnose(grad, compute_dtype=dtype, amp_policy=d.suggested_policy)(params, tokens)
+    which = "a harmful policy (exp, log and reduce_sum in 16 bits)" if harmful else "the default policy"
+    state = "finite" if cured.first_nonfinite is None else "still non-finite"
+    return "\n".join([
+        f"gradient of the demo GPT's loss x 2**15 under amp({dtype}) with {which}",
+        f"(diagnosed in {took:.1f} s)",
+        "",
+        _render_rows(d, rows),
+        "",
+        f"gradient relative error: {d.output_error:.3g} as given, {cured.output_error:.3g} "
+        f"with suggested_policy ({state})",
+    ])
+
+
+def _render_rows(d: Any, rows: int) -> str:
+    from autocast.diagnose import _render
+
+    return _render(d, rows)

@@ -98,13 +98,27 @@ class Context:
     # Named scopes enclosing the jaxpr being evaluated: the caller's, then those of the
     # higher-order equations we descended through (inner jaxprs record scopes relative to them).
     scopes: tuple[str, ...] = ()
-    # Told of every first-order decision (the precision report listens); None in normal use.
-    observer: Callable[..., None] | None = dataclasses.field(default=None, compare=False)
+    # Every named scope enclosing the jaxpr being evaluated, policy key or not: kept only
+    # while an observer listens (the debugger reports them), so traces are cached as before.
+    path: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    # Likewise the source information of the calls and loops enclosing it, innermost last (a
+    # library function's equations have no line of the user's; its call has).
+    callers: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
+    # Told of every first-order decision (the precision report and the numerics debugger
+    # listen); None in normal use. It may return the outputs to carry on with in place of
+    # those it was shown (the debugger marks them), or None to leave them as they are.
+    observer: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
 
     def enter(self, eqn: Any) -> Context:
         """The context for the sub-jaxprs of ``eqn``. Only scopes the policy names are kept:
         they are all a decision can depend on, and re-traced sub-jaxprs are cached by them."""
-        inner = tuple(s for s in _compat.scope_names(eqn) if s in self.scope_keys)
+        names = _compat.scope_names(eqn)
+        inner = tuple(s for s in names if s in self.scope_keys)
+        if self.observer is not None:
+            return dataclasses.replace(
+                self, scopes=self.scopes + inner, path=self.path + names,
+                callers=self.callers + (eqn.source_info,),
+            )
         return dataclasses.replace(self, scopes=self.scopes + inner) if inner else self
 
 
@@ -395,7 +409,9 @@ def apply_first_order(
     params = _compat.retype_scalar_computation(eqn, invars, params)
     outs = _compat.bind_equation(eqn, invars, params)
     if ctx.observer is not None:
-        ctx.observer(eqn, rule, invars, outs, ctx.scopes)
+        seen = ctx.observer(eqn, rule, invars, outs, ctx)
+        if seen is not None:
+            outs = seen
     return outs
 
 

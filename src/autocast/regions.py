@@ -226,7 +226,9 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
                 with _compat.equation_context(node.eqn):
                     out = _compat.bind_equation(node.eqn, ins, node.eqn.params)
                 if node.ctx.observer is not None:
-                    node.ctx.observer(node.eqn, node.rule, ins, out, node.ctx.scopes)
+                    seen = node.ctx.observer(node.eqn, node.rule, ins, out, node.ctx)
+                    if seen is not None:
+                        out = seen
                 done[id(node)] = out
                 return out
 

@@ -150,7 +150,7 @@ def report(
     def run(*args: Any, **kwargs: Any) -> Report:
         seen: collections.Counter = collections.Counter()
 
-        def observe(eqn: Any, rule: Any, invars: Any, outs: Any, scopes: Any) -> None:
+        def observe(eqn: Any, rule: Any, invars: Any, outs: Any, ctx: Any) -> None:
             outs = outs if eqn.primitive.multiple_results else [outs]
             name = getattr(rule, "__name__", repr(rule))
             seen[(eqn.primitive.name, _dtypes(invars), _dtypes(outs), name)] += 1

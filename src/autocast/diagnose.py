@@ -1,0 +1,294 @@
+"""The numerics debugger: which equation, on which line, lost precision or overflowed under
+amp, measured against the program in float32, and the policy that cures it (SPEC 7).
+
+amp's program is traced with every output of a user's equation marked, then evaluated once
+beside its float32 reference (:mod:`autocast.paired`); each marked equation becomes an
+:class:`Entry`. How the figures are defined is in ``docs/diagnose.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import source_info_util
+
+from autocast import _compat, paired, provenance
+from autocast._tree import is_floating_dtype
+from autocast.rules import use_full_precision
+from autocast.transform import _TRACED_SCALARS, _is_dynamic
+from autocast.transform import amp as _amp
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One equation of the program as amp ran it, against the float32 reference.
+
+    ``rel_error`` is the relative error of amp's output at this point (the error carried
+    in from earlier equations included); ``added_error`` is how much of it this equation
+    added: ``rel_error`` less the largest ``rel_error`` among the values it was given,
+    floored at 0. ``overflow`` counts elements that are infinite or NaN where the
+    reference's are finite; ``underflow`` elements that are zero where the reference's are
+    not. In a loop, errors are the worst over iterations, counts are totals, and ``runs``
+    says how many times the equation ran.
+    """
+
+    primitive: str
+    source: str  # "file:line" of the user's code
+    function: str  # the function that line is in
+    scope: str  # named scopes, outermost first, joined by "/"
+    dtype: np.dtype  # what amp ran it in
+    rel_error: float
+    added_error: float
+    overflow: int
+    underflow: int
+    runs: int
+    backward: bool  # part of a backward pass (a transposed equation)
+    scopes: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    policy_key: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def where(self) -> str:
+        """Short location for tables: the file's base name and line, and the scope."""
+        short = os.path.basename(self.source)
+        return f"{short} {self.scope}" if self.scope else short
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """What :func:`diagnose` found; ``str(diagnosis)`` renders it as a table.
+
+    ``entries`` are in program order; ``first_nonfinite`` is the earliest entry, in the
+    order the program ran, whose output was non-finite where the reference's was finite
+    (None if there is none); ``culprits`` are the entries where non-finite values arose from
+    finite inputs, or else the one that added the most error; ``suggested_policy`` is the
+    policy amp ran with, extended so the culprits run in full precision (keyed by each one's
+    innermost named scope where it has one, else by its primitive); ``output`` is
+    amp's result and ``reference`` the float32 program's; ``output_error`` the largest
+    relative error among the floating outputs; ``diverged`` how many times amp's program
+    took another branch or loop trip count than the reference (both then follow amp's
+    branch; a loop runs on until both have stopped).
+    """
+
+    entries: tuple[Entry, ...]
+    first_nonfinite: Entry | None
+    suggested_policy: Mapping[Any, Callable[..., Any]]
+    culprits: tuple[Entry, ...]
+    output: Any
+    reference: Any
+    output_error: float
+    diverged: int
+    compute_dtype: np.dtype
+
+    def worst(self, n: int | None = None) -> list[Entry]:
+        """Entries from worst to best: the first non-finite one, then by added error."""
+        ranked = sorted(self.entries, key=lambda e: (e is not self.first_nonfinite, *_badness(e)))
+        return ranked if n is None else ranked[:n]
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+def _badness(e: Entry) -> tuple:
+    return (-e.added_error, -e.rel_error, -e.overflow)
+
+
+def diagnose(
+    fn: Callable[..., Any],
+    *,
+    compute_dtype: Any = None,
+    amp_policy: Mapping[Any, Callable[..., Any]] | None = None,
+) -> Callable[..., Diagnosis]:
+    """Finds where ``amp(fn, compute_dtype=..., amp_policy=...)`` loses precision or overflows.
+
+    Returns a function taking ``fn``'s arguments and returning a :class:`Diagnosis`: one
+    :class:`Entry` per equation amp evaluated (inside ``jit``, loops, branches, checkpoints
+    and custom-derivative functions too), each with its source line, named scopes, the dtype
+    it ran in and its error against the same program run in float32. ``fn`` may be anything
+    ``amp`` accepts, ``jax.grad(loss)`` included, to look at a backward pass.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> def f(w, x):
+    ...     return jnp.sum(x @ w)
+    >>> d = autocast.diagnose(f, compute_dtype=jnp.float16)(jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0))
+    >>> d.first_nonfinite.primitive, d.first_nonfinite.dtype
+    ('dot_general', dtype('float16'))
+    >>> fixed = autocast.amp(f, compute_dtype=jnp.float16, amp_policy=d.suggested_policy)
+    >>> float(fixed(jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0)))
+    2880000.0
+    """
+    amp_fn = _amp(fn, compute_dtype=compute_dtype, amp_policy=amp_policy)
+
+    def run(*args: Any, **kwargs: Any) -> Diagnosis:
+        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        traced = amp_fn._trace(in_tree, leaves, dynamic)
+        values = [
+            jnp.asarray(leaves[i]) if type(leaves[i]) in _TRACED_SCALARS else leaves[i]
+            for i in dynamic
+        ]
+        sites: list[paired.Site] = []
+
+        def observe(eqn: Any, rule: Any, invars: Any, outs: Any, ctx: Any) -> Any:
+            many = eqn.primitive.multiple_results
+            outs = list(outs) if many else [outs]
+            floating = [hasattr(x, "dtype") and is_floating_dtype(x.dtype) for x in outs]
+            if not any(floating):
+                return None
+            site = len(sites)
+            sites.append(paired.Site(eqn, ctx.path, ctx.callers))
+            marked = [paired.mark(x, site, i) if f else x for i, (x, f) in enumerate(zip(outs, floating))]
+            return marked if many else marked[0]
+
+        ctx = dataclasses.replace(
+            amp_fn._context(), observer=observe, path=_compat.current_scope_names()
+        )
+        program = jax.make_jaxpr(traced.evaluate(ctx))(*values)
+        recorder = paired.Recorder(provenance.before_sites(program.jaxpr, paired.site_of))
+        found: dict[str, Any] = {}
+
+        def both(*xs: Any) -> tuple[list, list]:
+            p, outs = paired.evaluate(program, sites, recorder, xs)
+            found["dtypes"] = p.dtypes
+            return [o.amp for o in outs], [o.ref for o in outs]
+
+        amps, refs = jax.device_get(jax.jit(both)(*values))
+        jax.effects_barrier()
+        worst = max(
+            (paired.compare(a, r)[0] for a, r in zip(amps, refs) if is_floating_dtype(np.asarray(a).dtype)),
+            default=0.0,
+        )
+        entries = _entries(sites, recorder.stats, found["dtypes"])
+        bad = [(st[4], e) for e, st in entries if st[4] is not None]
+        first = min(bad, key=lambda t: t[0])[1] if bad else None
+        plain = tuple(e for e, _ in entries)
+        culprits = _culprits(plain, first)
+        suggested = dict(amp_fn._policy)
+        for e in culprits:
+            suggested[e.policy_key] = use_full_precision
+        return Diagnosis(
+            entries=plain,
+            first_nonfinite=first,
+            suggested_policy=suggested,
+            culprits=tuple(culprits),
+            output=_rebuild(traced, amps),
+            reference=_rebuild(traced, refs),
+            output_error=float(worst),
+            diverged=recorder.diverged,
+            compute_dtype=amp_fn._context().compute_dtype,
+        )
+
+    return run
+
+
+def _rebuild(traced: Any, values: list[Any]) -> Any:
+    it = iter(values)
+    leaves = [next(it) if s is None else s for s in traced.out_static]
+    return jax.tree_util.tree_unflatten(traced.out_tree, leaves)
+
+
+_SUMMARY = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?::\d+)? \((?P<fn>.*)\)$")
+
+
+def _source(site: paired.Site) -> tuple[str, str]:
+    """``("file:line", function)`` of the user's code: the equation's own line, or for an
+    equation of a library function (``jnp.where`` is a jitted function) the innermost
+    enclosing call that has one."""
+    for info in (site.eqn.source_info, *reversed(site.caller or ())):
+        m = _SUMMARY.match(source_info_util.summarize(info))
+        if m:
+            return f"{m['file']}:{m['line']}", m["fn"]
+    return "", ""
+
+
+def _entries(
+    sites: list[paired.Site], per_site: Mapping[int, list], dtypes: Mapping[int, tuple[str, ...]]
+) -> list[tuple[Entry, list]]:
+    out = []
+    for s in sorted(per_site):
+        rel, added, overflow, underflow, first, runs = per_site[s]
+        site = sites[s]
+        eqn = site.eqn
+        scopes = site.scopes + _compat.scope_names(eqn)
+        source, function = _source(site)
+        names = dtypes.get(s, ())
+        dtype = np.dtype(jnp.result_type(*names)) if names else np.dtype(np.float32)
+        entry = Entry(
+            primitive=eqn.primitive.name,
+            source=source,
+            function=function,
+            scope="/".join(scopes),
+            dtype=dtype,
+            rel_error=float(rel),
+            added_error=float(added),
+            overflow=int(overflow),
+            underflow=int(underflow),
+            runs=int(runs),
+            backward=any(
+                "transpose" in str(i.name_stack) for i in (eqn.source_info, *(site.caller or ()))
+            ),
+            scopes=scopes,
+            policy_key=scopes[-1] if scopes else eqn.primitive,
+        )
+        out.append((entry, per_site[s]))
+    return out
+
+
+def _culprits(entries: tuple[Entry, ...], first: Entry | None) -> list[Entry]:
+    """The equations where non-finite values arose (from finite inputs), or else the one
+    that added the most error."""
+    if first is not None:
+        return [e for e in entries if math.isinf(e.added_error)] or [first]
+    worst = max(entries, key=lambda e: e.added_error, default=None)
+    return [worst] if worst is not None and worst.added_error > 0 else []
+
+
+def _fmt_err(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.2e}" if x and x < 1e-3 else f"{x:.4f}"
+
+
+def _render(d: Diagnosis, rows: int = 15) -> str:
+    n_back = sum(e.backward for e in d.entries)
+    lines = [
+        f"amp numerics diagnosis ({np.dtype(d.compute_dtype).name} compute; reference: the program in float32)",
+        f"  {len(d.entries)} equations ({n_back} in backward passes); "
+        f"output relative error {_fmt_err(d.output_error)}",
+    ]
+    if d.first_nonfinite is not None:
+        f = d.first_nonfinite
+        lines.append(
+            f"  first non-finite: {f.primitive} in {f.dtype.name} at {f.source}"
+            + (f" [{f.scope}]" if f.scope else "")
+        )
+    else:
+        lines.append("  no non-finite values where float32 has none")
+    if d.diverged:
+        lines.append(f"  control flow left the reference's {d.diverged} time(s)")
+    header = ("", "primitive", "ran in", "rel err", "added", "overflow", "underflow", "runs", "where")
+    body = []
+    for e in d.worst(rows):
+        mark = "!" if e is d.first_nonfinite else ""
+        prim = e.primitive + (" (bwd)" if e.backward else "")
+        body.append((
+            mark, prim, e.dtype.name, _fmt_err(e.rel_error), _fmt_err(e.added_error),
+            str(e.overflow), str(e.underflow), str(e.runs), e.where,
+        ))
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    lines += ["", fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in body]
+    if len(d.entries) > rows:
+        lines.append(f"  ... {len(d.entries) - rows} more (Diagnosis.entries)")
+    if d.culprits:
+        keys = dict.fromkeys(
+            repr(e.policy_key) if isinstance(e.policy_key, str) else e.policy_key.name for e in d.culprits
+        )
+        lines += ["", f"  suggested_policy: the policy with {', '.join(keys)} in full precision"]
+    return "\n".join(lines)
