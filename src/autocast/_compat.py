@@ -327,3 +327,14 @@ def bind_checkpoint(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
 
     (out,) = remat_p.bind(*consts, *args, jaxpr=jaxpr, prevent_cse=False, differentiated=False, policy=policy)
     return out
+
+
+def is_transposed(source_info: Any) -> bool:
+    """Whether an equation with this source information was made by transposition (it
+    belongs to a backward pass). JAX 0.6 leaves transforms out of the name stack's string
+    when it has no scopes, so the stack's items are read."""
+    stack = source_info.name_stack
+    items = getattr(stack, "stack", ())
+    return any(getattr(i, "name", None) == "transpose" and type(i).__name__ == "Transform" for i in items) or (
+        "transpose(" in str(stack)
+    )

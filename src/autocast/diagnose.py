@@ -230,9 +230,7 @@ def _entries(
             overflow=int(overflow),
             underflow=int(underflow),
             runs=int(runs),
-            backward=any(
-                "transpose" in str(i.name_stack) for i in (eqn.source_info, *(site.caller or ()))
-            ),
+            backward=any(_compat.is_transposed(i) for i in (eqn.source_info, *(site.caller or ()))),
             scopes=scopes,
             policy_key=scopes[-1] if scopes else eqn.primitive,
         )
