@@ -52,9 +52,6 @@ import trace_overhead  # noqa: E402
 import autocast  # noqa: E402
 from autocast import _models  # noqa: E402
 
-SECTIONS = ("jaxpr", "families", "torch", "parallel", "trace", "third_party", "step")
-
-
 def _peak_bytes(compiled: Any) -> int | None:
     """The compiled program's peak memory as XLA plans it: its own figure where the JAX
     version reports one, else arguments + outputs + temporaries - aliased buffers."""
@@ -98,9 +95,9 @@ def _ratio(a: float | None, b: float | None) -> str:
 def run_step(results: dict, options: argparse.Namespace) -> None:
     print(f"== {jax.default_backend()}: gradient step time and peak memory ==")
     print(f"{'model':15} {'variant':9} {'step ms':>8} {'vs f32':>6} {'planned MB':>10} {'vs f32':>6} {'device MB':>9}")
-    gpu = results["step"] = {}
+    step = results["step"] = {}
     for name, loss_fn, model_args in mixed_precision.models(options.models):
-        gpu[name] = figures = step_figures(loss_fn, model_args, options.step_repeats)
+        step[name] = figures = step_figures(loss_fn, model_args, options.step_repeats)
         f32 = figures["float32"]
         for k, r in figures.items():
             planned, device = r["planned_peak_bytes"], r["device_peak_bytes"]
@@ -127,16 +124,17 @@ def run_torch(results: dict, options: argparse.Namespace) -> None:
         print("(PyTorch not installed: pip install -e '.[bench-torch]' for this column)")
         return
     results["torch"] = torch_ratios = torch_autocast.main()
+    # torch's model name -> (section, amp's model name, the section's activation-bytes key)
     ours = {
-        "GPT small (demo)": results.get("models", {}).get("GPT small"),
-        "GPT 4L d128": results.get("models", {}).get("GPT"),
-        "CNN BatchNorm": results.get("model_families", {}).get("CNN BatchNorm"),
-        "CNN GroupNorm": results.get("model_families", {}).get("CNN GroupNorm"),
+        "GPT small (demo)": ("models", "GPT small", "activation_bytes"),
+        "GPT 4L d128": ("models", "GPT", "activation_bytes"),
+        "CNN BatchNorm": ("model_families", "CNN BatchNorm", "act"),
+        "CNN GroupNorm": ("model_families", "CNN GroupNorm", "act"),
     }
     print(f"\n{'model':17} {'torch.autocast':>14} {'amp':>6}   (activation bytes / own float32)")
     for name, r in torch_ratios.items():
-        rows = ours.get(name)
-        key = "act" if rows and "act" in rows["float32"] else "activation_bytes"
+        section, model, key = ours.get(name, (None, None, None))
+        rows = results.get(section, {}).get(model)
         amp = f"{rows['amp bf16'][key] / rows['float32'][key]:6.2f}" if rows else f"{'-':>6}"
         print(f"{name:17} {r['ratio']:14.2f} {amp}")
 
@@ -145,10 +143,9 @@ def run_parallel(results: dict, options: argparse.Namespace) -> None:
     print("== tensor-parallel MLP on 8 simulated CPU devices (own process) ==")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp.json"
-        env_flags = "--xla_force_host_platform_device_count=8"
         done = subprocess.run(
             [sys.executable, str(HERE / "tensor_parallel.py"), "--json", str(out)],
-            env={**os.environ, "XLA_FLAGS": env_flags, "JAX_PLATFORMS": "cpu"},
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
             text=True, capture_output=True,
         )
         print(done.stdout, end="")
@@ -179,6 +176,7 @@ RUNNERS = {
     "jaxpr": run_jaxpr, "families": run_families, "torch": run_torch, "parallel": run_parallel,
     "trace": run_trace, "third_party": run_third_party, "step": run_step,
 }
+SECTIONS = tuple(RUNNERS)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

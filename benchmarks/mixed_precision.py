@@ -55,15 +55,20 @@ def models(names: Sequence[str] = ()):
         yield "MLP", _models.mlp_loss, (mlp_params, x, y)
     if chosen("GPT small"):  # the demo's model and batch
         small = _models.init_gpt(key, vocab=64, d=64, layers=2, seq=32)
-        yield "GPT small", _gpt_loss(False, False), (small, _models.gpt_batch(key, batch=16, seq=32, vocab=64))
+        yield "GPT small", _models.gpt_loss, (small, _models.gpt_batch(key, batch=16, seq=32, vocab=64))
+    forms = [
+        (("GPT scan" if scan else "GPT") + (" +ckpt" if remat else ""), scan, remat)
+        for scan in (False, True)
+        for remat in (False, True)
+    ]
+    if not any(chosen(name) for name, _, _ in forms):
+        return
     gpt_params = _models.init_gpt(key, vocab=256, d=128, layers=4, seq=64)
     stacked = _models.stack_blocks(gpt_params)
     tokens = _models.gpt_batch(key, batch=8, seq=64, vocab=256)
-    for scan in (False, True):
-        for remat in (False, True):
-            name = ("GPT scan" if scan else "GPT") + (" +ckpt" if remat else "")
-            if chosen(name):
-                yield name, _gpt_loss(scan, remat), (stacked if scan else gpt_params, tokens)
+    for name, scan, remat in forms:
+        if chosen(name):
+            yield name, _gpt_loss(scan, remat), (stacked if scan else gpt_params, tokens)
 
 
 def _gpt_loss(scan: bool, remat: bool) -> Callable[..., jax.Array]:

@@ -175,12 +175,16 @@ def train(loss: Callable[..., jax.Array], params: Any, batches: Batches, steps: 
     return _training.final_loss(loss, params, batches, steps, last=20)
 
 
+def setup(make: Callable[[Any], nn.Module], batches: Batches) -> tuple[Callable[..., jax.Array], Any, Any, Any]:
+    """The float32 loss, initial parameters and first batch ``(x, y)`` of a family."""
+    x, y = batches(jnp.asarray(0))
+    return _loss_fn(make(None)), make(None).init(jax.random.key(1), x), x, y
+
+
 def measure(make: Callable[[Any], nn.Module], batches: Batches, steps: int = 200) -> dict[str, dict]:
     """Each variant's measures on the first batch, and its loss after ``steps`` of training
     (none when 0)."""
-    x, y = batches(jnp.asarray(0))
-    f32_loss = _loss_fn(make(None))
-    params = make(None).init(jax.random.key(1), x)
+    f32_loss, params, x, y = setup(make, batches)
     variants = {
         "float32": f32_loss,
         "own bf16": _loss_fn(make(jnp.bfloat16)),

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# eight simulated devices, whatever other XLA flags the caller set
+_DEVICES = "--xla_force_host_platform_device_count=8"
+if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}".strip()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -33,24 +36,16 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autocast  # noqa: E402
-from autocast import _measure  # noqa: E402
+from autocast import _compat, _measure  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _training  # noqa: E402
 
 COLLECTIVES = frozenset({
     "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "ppermute",
-    "all_to_all", "reduce_scatter", "psum_scatter",
+    "all_to_all", "reduce_scatter",
 })
 WIDTH, HIDDEN, DEPTH, BATCH = 128, 512, 2, 64
-
-
-def _shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable:
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def init(key: jax.Array) -> dict[str, jax.Array]:
@@ -79,7 +74,7 @@ def make_loss(mesh: Any) -> Callable[..., jax.Array]:
             x = x + jax.lax.psum(partial, "tp")
         return x
 
-    sharded = _shard_map(blocks, mesh, (P(None, None, "tp"), P(None, "tp", None), P()), P())
+    sharded = _compat.shard_map(blocks, mesh, (P(None, None, "tp"), P(None, "tp", None), P()), P())
 
     def loss(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
         logits = sharded(params["up"], params["down"], x) @ params["head"]

@@ -12,14 +12,6 @@ import autocast
 from autocast import _measure
 
 
-def shard_map(fn, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map as legacy
-
-    return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-
-
 def dot_dtypes(jaxpr):
     return {
         tuple(v.aval.dtype.name for v in e.invars)
@@ -38,7 +30,7 @@ def main() -> None:
     def local(xb, w):
         return jax.lax.psum(jnp.tanh(xb @ w).sum(), "d")
 
-    fn = shard_map(local, mesh, (P("d"), P()), P())
+    fn = _compat.shard_map(local, mesh, (P("d"), P()), P())
     amp_fn = autocast.amp(fn, compute_dtype=jnp.bfloat16)
     jaxpr = jax.make_jaxpr(amp_fn)(x_sharded, w)
     assert dot_dtypes(jaxpr) == {("bfloat16", "bfloat16")}, jaxpr
@@ -55,7 +47,7 @@ def main() -> None:
     def summed(part, w):
         return jax.lax.psum(part[0], "d") @ w
 
-    sum_fn = shard_map(summed, mesh, (P("d"), P()), P())
+    sum_fn = _compat.shard_map(summed, mesh, (P("d"), P()), P())
     parts = jnp.array([6e4, 6e4, -6e4, -5.9e4])[:, None, None] * jnp.ones((4, 1, 8))
     got = jax.jit(autocast.amp(sum_fn, compute_dtype=jnp.float16))(parts, jnp.eye(8))
     np.testing.assert_allclose(got, sum_fn(parts, jnp.eye(8)), rtol=1e-3)

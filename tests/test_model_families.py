@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -40,8 +39,7 @@ def test_a_linen_gpt_with_embed_and_scanned_remat_blocks_keeps_16_bit_activation
 @pytest.mark.parametrize("name", ["CNN BatchNorm", "CNN GroupNorm"])
 def test_conv_nets_train_200_steps_to_float32s_loss(name):
     make, batches = FAMILIES[name]
-    loss = families._loss_fn(make(None))
-    params = make(None).init(jax.random.key(1), batches(jnp.asarray(0))[0])
+    loss, params, _, _ = families.setup(make, batches)
     f32 = families.train(loss, params, batches, steps=200)
     amp = families.train(autocast.amp(loss, compute_dtype=jnp.bfloat16), params, batches, steps=200)
     assert f32 < 0.8  # it learned: chance is ln 10 = 2.3

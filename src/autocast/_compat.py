@@ -331,10 +331,41 @@ def bind_checkpoint(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
 
 def is_transposed(source_info: Any) -> bool:
     """Whether an equation with this source information was made by transposition (it
-    belongs to a backward pass). JAX 0.6 leaves transforms out of the name stack's string
-    when it has no scopes, so the stack's items are read."""
-    stack = source_info.name_stack
-    items = getattr(stack, "stack", ())
-    return any(getattr(i, "name", None) == "transpose" and type(i).__name__ == "Transform" for i in items) or (
-        "transpose(" in str(stack)
+    belongs to a backward pass). Read off the name stack's items: JAX 0.6 leaves transforms
+    out of its string when there are no scopes."""
+    return any(
+        type(item).__name__ == "Transform" and getattr(item, "name", None) == "transpose"
+        for item in getattr(source_info.name_stack, "stack", ())
     )
+
+
+# Calls: equations that evaluate one sub-jaxpr on their inputs, by the parameter holding it
+# (``jax.jit``, ``closed_call``, ``jax.checkpoint``, custom-derivative functions' primals).
+_CALLED_JAXPR = {
+    **{name: "jaxpr" for name in JIT_NAMES},
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
+
+
+def called_jaxpr(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
+    """``(jaxpr, consts)`` of a call equation, evaluated on the equation's inputs to give its
+    outputs; None for any other equation."""
+    key = _CALLED_JAXPR.get(eqn.primitive.name)
+    if key is None:
+        return None
+    sub = eqn.params[key]
+    return (sub.jaxpr, sub.consts) if isinstance(sub, ClosedJaxpr) else (sub, ())
+
+
+def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
+    """``jax.shard_map`` (``jax.experimental.shard_map`` before JAX 0.7), for the tests and
+    benchmarks that build sharded programs."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map as legacy
+
+    return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)

@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from autocast import _compat
 from autocast._tree import is_floating_dtype

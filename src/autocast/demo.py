@@ -216,14 +216,9 @@ def diagnose_demo(dtype: str = "float16", *, harmful: bool = True, rows: int = 1
         f"gradient of the demo GPT's loss x 2**15 under amp({dtype}) with {which}",
         f"(diagnosed in {took:.1f} s)",
         "",
-        _render_rows(d, rows),
+        d.table(rows),
         "",
         f"gradient relative error: {d.output_error:.3g} as given, {cured.output_error:.3g} "
         f"with suggested_policy ({state})",
     ])
 
-
-def _render_rows(d: Any, rows: int) -> str:
-    from autocast.diagnose import _render
-
-    return _render(d, rows)

@@ -21,8 +21,8 @@ from jax.extend import source_info_util
 
 from autocast import _compat, paired, provenance
 from autocast._tree import is_floating_dtype
+from autocast.report import _table
 from autocast.rules import use_full_precision
-from autocast.transform import _TRACED_SCALARS, _is_dynamic
 from autocast.transform import amp as _amp
 
 
@@ -42,7 +42,7 @@ class Entry:
     primitive: str
     source: str  # "file:line" of the user's code
     function: str  # the function that line is in
-    scope: str  # named scopes, outermost first, joined by "/"
+    scopes: tuple[str, ...]  # named scopes, outermost first
     dtype: np.dtype  # what amp ran it in
     rel_error: float
     added_error: float
@@ -50,8 +50,12 @@ class Entry:
     underflow: int
     runs: int
     backward: bool  # part of a backward pass (a transposed equation)
-    scopes: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     policy_key: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def scope(self) -> str:
+        """The named scopes joined by ``/`` ("" where there are none)."""
+        return "/".join(self.scopes)
 
     @property
     def where(self) -> str:
@@ -88,15 +92,18 @@ class Diagnosis:
 
     def worst(self, n: int | None = None) -> list[Entry]:
         """Entries from worst to best: the first non-finite one, then by added error."""
-        ranked = sorted(self.entries, key=lambda e: (e is not self.first_nonfinite, *_badness(e)))
+        ranked = sorted(
+            self.entries,
+            key=lambda e: (e is not self.first_nonfinite, -e.added_error, -e.rel_error, -e.overflow),
+        )
         return ranked if n is None else ranked[:n]
 
+    def table(self, rows: int = 15) -> str:
+        """The diagnosis as text, with the ``rows`` worst entries; ``str()`` shows 15."""
+        return _render(self, rows)
+
     def __str__(self) -> str:
-        return _render(self)
-
-
-def _badness(e: Entry) -> tuple:
-    return (-e.added_error, -e.rel_error, -e.overflow)
+        return self.table()
 
 
 def diagnose(
@@ -126,13 +133,7 @@ def diagnose(
     amp_fn = _amp(fn, compute_dtype=compute_dtype, amp_policy=amp_policy)
 
     def run(*args: Any, **kwargs: Any) -> Diagnosis:
-        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-        traced = amp_fn._trace(in_tree, leaves, dynamic)
-        values = [
-            jnp.asarray(leaves[i]) if type(leaves[i]) in _TRACED_SCALARS else leaves[i]
-            for i in dynamic
-        ]
+        traced, values = amp_fn._traced_call(args, kwargs)
         sites: list[paired.Site] = []
 
         def observe(eqn: Any, rule: Any, invars: Any, outs: Any, ctx: Any) -> Any:
@@ -150,12 +151,11 @@ def diagnose(
             amp_fn._context(), observer=observe, path=_compat.current_scope_names()
         )
         program = jax.make_jaxpr(traced.evaluate(ctx))(*values)
-        recorder = paired.Recorder(provenance.before_sites(program.jaxpr, paired.site_of))
-        found: dict[str, Any] = {}
+        recorder = paired.Recorder(provenance.before_sites(program.jaxpr))
+        p = paired.Pass(sites, recorder)
 
         def both(*xs: Any) -> tuple[list, list]:
-            p, outs = paired.evaluate(program, sites, recorder, xs)
-            found["dtypes"] = p.dtypes
+            outs = p.evaluate(program, xs)
             return [o.amp for o in outs], [o.ref for o in outs]
 
         amps, refs = jax.device_get(jax.jit(both)(*values))
@@ -164,10 +164,10 @@ def diagnose(
             (paired.compare(a, r)[0] for a, r in zip(amps, refs) if is_floating_dtype(np.asarray(a).dtype)),
             default=0.0,
         )
-        entries = _entries(sites, recorder.stats, found["dtypes"])
-        bad = [(st[4], e) for e, st in entries if st[4] is not None]
-        first = min(bad, key=lambda t: t[0])[1] if bad else None
-        plain = tuple(e for e, _ in entries)
+        entries = _entries(sites, recorder.stats, p.dtypes)
+        overflowed = [(st[4], s) for s, st in recorder.stats.items() if st[4] is not None]
+        first = entries[min(overflowed)[1]] if overflowed else None
+        plain = tuple(entries.values())
         culprits = _culprits(plain, first)
         suggested = dict(amp_fn._policy)
         for e in culprits:
@@ -177,20 +177,14 @@ def diagnose(
             first_nonfinite=first,
             suggested_policy=suggested,
             culprits=tuple(culprits),
-            output=_rebuild(traced, amps),
-            reference=_rebuild(traced, refs),
+            output=traced.rebuild(amps),
+            reference=traced.rebuild(refs),
             output_error=float(worst),
             diverged=recorder.diverged,
-            compute_dtype=amp_fn._context().compute_dtype,
+            compute_dtype=ctx.compute_dtype,
         )
 
     return run
-
-
-def _rebuild(traced: Any, values: list[Any]) -> Any:
-    it = iter(values)
-    leaves = [next(it) if s is None else s for s in traced.out_static]
-    return jax.tree_util.tree_unflatten(traced.out_tree, leaves)
 
 
 _SUMMARY = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?::\d+)? \((?P<fn>.*)\)$")
@@ -209,8 +203,9 @@ def _source(site: paired.Site) -> tuple[str, str]:
 
 def _entries(
     sites: list[paired.Site], per_site: Mapping[int, list], dtypes: Mapping[int, tuple[str, ...]]
-) -> list[tuple[Entry, list]]:
-    out = []
+) -> dict[int, Entry]:
+    """An entry per site that ran, by site, in program order."""
+    out = {}
     for s in sorted(per_site):
         rel, added, overflow, underflow, first, runs = per_site[s]
         site = sites[s]
@@ -223,7 +218,7 @@ def _entries(
             primitive=eqn.primitive.name,
             source=source,
             function=function,
-            scope="/".join(scopes),
+            scopes=scopes,
             dtype=dtype,
             rel_error=float(rel),
             added_error=float(added),
@@ -231,10 +226,9 @@ def _entries(
             underflow=int(underflow),
             runs=int(runs),
             backward=any(_compat.is_transposed(i) for i in (eqn.source_info, *(site.caller or ()))),
-            scopes=scopes,
             policy_key=scopes[-1] if scopes else eqn.primitive,
         )
-        out.append((entry, per_site[s]))
+        out[s] = entry
     return out
 
 
@@ -279,9 +273,7 @@ def _render(d: Diagnosis, rows: int = 15) -> str:
             mark, prim, e.dtype.name, _fmt_err(e.rel_error), _fmt_err(e.added_error),
             str(e.overflow), str(e.underflow), str(e.runs), e.where,
         ))
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    lines += ["", fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in body]
+    lines += ["", *_table(header, body)]
     if len(d.entries) > rows:
         lines.append(f"  ... {len(d.entries) - rows} more (Diagnosis.entries)")
     if d.culprits:

@@ -121,6 +121,13 @@ class Context:
             )
         return dataclasses.replace(self, scopes=self.scopes + inner) if inner else self
 
+    def observed(self, eqn: Any, rule: PrecisionFn, invars: Sequence[Any], outs: Any) -> Any:
+        """``outs`` as the observer, if any, hands them back (it may mark them)."""
+        if self.observer is None:
+            return outs
+        seen = self.observer(eqn, rule, invars, outs, self)
+        return outs if seen is None else seen
+
 
 def decide_by_scope(eqn: Any, ctx: Context) -> PrecisionFn | None:
     """The precision function of the outermost named scope of ``eqn`` in the policy, if any."""
@@ -381,11 +388,10 @@ def apply_first_order(
             data = [k in (STRONG, RAW) for k in kinds]
             if gatherable:
                 nodes = [_as_region_input(x, ctx) for x in invals]
-                starts = [_unmoved(v, x, moved) for v, x in zip(eqn.invars, nodes)] if moved else nodes
                 out = regions.gather(
                     eqn, nodes, data, rule, ctx,
                     feeds_wide=lambda: uses is not None and uses.feeds_float32(eqn.outvars[0]),
-                    starts=starts,
+                    starts=(lambda: [_unmoved(v, x, moved) for v, x in zip(eqn.invars, nodes)]) if moved else None,
                 )
                 if out is not None:
                     return out
@@ -407,12 +413,7 @@ def apply_first_order(
         # A cast of a constant is folded on the host, so it costs no equation.
         return cast_value(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
-    outs = _compat.bind_equation(eqn, invars, params)
-    if ctx.observer is not None:
-        seen = ctx.observer(eqn, rule, invars, outs, ctx)
-        if seen is not None:
-            outs = seen
-    return outs
+    return ctx.observed(eqn, rule, invars, _compat.bind_equation(eqn, invars, params))
 
 
 def eval_jaxpr(

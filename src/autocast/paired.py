@@ -48,6 +48,15 @@ def site_of(eqn: Any) -> int | None:
     return int(name[len(PREFIX):].split("/")[0])
 
 
+def marked(jaxpr: Any) -> dict[Any, int]:
+    """Variable -> site, for the variables ``jaxpr`` marks."""
+    return {
+        eqn.invars[0]: s
+        for eqn in jaxpr.eqns
+        if (s := site_of(eqn)) is not None and not isinstance(eqn.invars[0], _compat.Literal)
+    }
+
+
 def widen(dtype: Any) -> Any:
     """float32 for a floating dtype narrower than it (bfloat16, float16, float8), else ``dtype``."""
     dtype = np.dtype(dtype)
@@ -183,8 +192,11 @@ class Pass:
 
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
+            call = _compat.called_jaxpr(eqn)
             if site_of(eqn) is not None:
                 outs = ins  # the marked value passes through; it was measured at its producer
+            elif call is not None:
+                outs = self.inline(*call, ins)
             else:
                 handler = _HANDLERS.get(eqn.primitive.name)
                 outs = handler(self, eqn, ins) if handler is not None else self._first_order(eqn, ins, marks)
@@ -193,19 +205,18 @@ class Pass:
                     env[v] = x
         return [read(v) for v in jaxpr.outvars]
 
-    def inline(self, closed: Any, ins: list[Value]) -> list[Value]:
-        jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
+    def inline(self, jaxpr: Any, consts: Sequence[Any], ins: list[Value]) -> list[Value]:
+        """``jaxpr`` with constants ``consts`` (the same in both programs) on ``ins``."""
         return self.run(jaxpr, [_constant(c) for c in consts], ins)
 
+    def evaluate(self, closed: Any, args: Sequence[Any]) -> list[Value]:
+        """amp's traced program ``closed`` on ``args``, beside its reference."""
+        return self.inline(closed.jaxpr, closed.consts, [Value(x, _widened(x)) for x in args])
+
     def _marks_of(self, jaxpr: Any) -> dict[Any, int]:
-        """Variable -> site, for the variables ``jaxpr`` marks."""
         hit = self._marks.get(id(jaxpr))
         if hit is None:
-            hit = self._marks[id(jaxpr)] = {
-                eqn.invars[0]: s
-                for eqn in jaxpr.eqns
-                if (s := site_of(eqn)) is not None and not isinstance(eqn.invars[0], _compat.Literal)
-            }
+            hit = self._marks[id(jaxpr)] = marked(jaxpr)
         return hit
 
     def _first_order(self, eqn: Any, ins: list[Value], marks: dict[Any, int]) -> list[Value]:
@@ -272,23 +283,18 @@ def _ran_in(ins: list[Value], outs: list[Any]) -> tuple[str, ...]:
 
 # --- the higher-order equations amp's program holds ----------------------------------------
 
-def _call(key: str) -> Callable[..., list[Value]]:
-    def handler(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
-        return p.inline(eqn.params[key], ins)
-
-    return handler
-
-
-def _custom(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
-    return p.inline(_compat.custom_call_jaxpr(eqn), ins)
-
-
 def _pack(values: Sequence[Value]) -> tuple[list, list]:
     return [x.amp for x in values], [x.ref for x in values]
 
 
 def _unpack(amps: Sequence[Any], refs: Sequence[Any]) -> list[Value]:
     return [Value(a, r) for a, r in zip(amps, refs)]
+
+
+def _entering(carry: Sequence[Value]) -> tuple[list, list]:
+    """A loop's initial carries, the reference's in exactly the widened dtypes."""
+    amps, refs = _pack(carry)
+    return amps, [_as(r, widen(a.dtype)) if _is_float(a) else r for a, r in zip(amps, refs)]
 
 
 def _exactly(values: Sequence[Any], like: Sequence[Any]) -> list[Any]:
@@ -300,12 +306,10 @@ def _scan(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
     body = prm["jaxpr"]
     n_consts, n_carry = prm["num_consts"], prm["num_carry"]
     consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
-    body_consts = [_constant(c) for c in body.consts]
-    init_a, init_r = _pack(carry)
-    init_r = [_as(r, widen(a.dtype)) if _is_float(a) else r for a, r in zip(init_a, init_r)]
+    init_a, init_r = _entering(carry)
 
     def step(state: tuple, x: tuple) -> tuple:
-        outs = p.run(body.jaxpr, body_consts, [*consts, *_unpack(*state), *_unpack(*x)])
+        outs = p.inline(body.jaxpr, body.consts, [*consts, *_unpack(*state), *_unpack(*x)])
         a, r = _pack(outs[:n_carry])
         return (_exactly(a, init_a), _exactly(r, init_r)), _pack(outs[n_carry:])
 
@@ -320,16 +324,13 @@ def _while(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
     cond, body = prm["cond_jaxpr"], prm["body_jaxpr"]
     n_cond, n_body = prm["cond_nconsts"], prm["body_nconsts"]
     cond_consts, body_consts, carry = ins[:n_cond], ins[n_cond:n_cond + n_body], ins[n_cond + n_body:]
-    cond_c = [_constant(c) for c in cond.consts]
-    body_c = [_constant(c) for c in body.consts]
-    init_a, init_r = _pack(carry)
-    init_r = [_as(r, widen(a.dtype)) if _is_float(a) else r for a, r in zip(init_a, init_r)]
+    init_a, init_r = _entering(carry)
     outer = p.active
 
     def going(amps: list, refs: list) -> tuple[Any, Any]:
         # the condition's equations are evaluated, not measured
         p.active = np.bool_(False)
-        out = p.run(cond.jaxpr, cond_c, [*cond_consts, *_unpack(amps, refs)])[0]
+        out = p.inline(cond.jaxpr, cond.consts, [*cond_consts, *_unpack(amps, refs)])[0]
         return out.amp, out.ref
 
     def keep_going(state: tuple) -> Any:
@@ -342,7 +343,7 @@ def _while(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
         amp_go, ref_go = going(amps, refs)
         p.active = outer & amp_go & ref_go
         jax.debug.callback(p.recorder.diverge, amp_go != ref_go, ordered=True)
-        a, r = _pack(p.run(body.jaxpr, body_c, [*body_consts, *_unpack(amps, refs)]))
+        a, r = _pack(p.inline(body.jaxpr, body.consts, [*body_consts, *_unpack(amps, refs)]))
         p.active = outer
         a = [jax.numpy.where(amp_go, n, o) for n, o in zip(_exactly(a, amps), amps)]
         r = [jax.numpy.where(ref_go, n, o) for n, o in zip(_exactly(r, refs), refs)]
@@ -357,7 +358,7 @@ def _cond(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
 
     def branch(closed: Any) -> Callable[..., tuple]:
         def run(amps: list, refs: list) -> tuple:
-            a, r = _pack(p.inline(closed, _unpack(amps, refs)))
+            a, r = _pack(p.inline(closed.jaxpr, closed.consts, _unpack(amps, refs)))
             return a, [_widened(x) if _is_float(y) else x for x, y in zip(r, a)]
 
         return run
@@ -367,21 +368,9 @@ def _cond(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
     return _unpack(amps, refs)
 
 
+# Loops and branches; calls are inlined (``_compat.called_jaxpr``).
 _HANDLERS: dict[str, Callable[..., list[Value]]] = {
-    **{name: _call("jaxpr") for name in _compat.JIT_NAMES},
-    "closed_call": _call("call_jaxpr"),
-    "core_call": _call("call_jaxpr"),
-    "remat2": _call("jaxpr"),
-    "custom_jvp_call": _custom,
-    "custom_vjp_call": _custom,
     "scan": _scan,
     "while": _while,
     "cond": _cond,
 }
-
-
-def evaluate(closed: Any, sites: Sequence[Site], recorder: Recorder, args: Sequence[Any]) -> tuple[Pass, list[Value]]:
-    """Evaluates amp's traced program ``closed`` on ``args`` beside its reference."""
-    p = Pass(sites, recorder)
-    outs = p.run(closed.jaxpr, [_constant(c) for c in closed.consts], [Value(x, _widened(x)) for x in args])
-    return p, outs

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from autocast import _compat
-
-Sources = frozenset
+from autocast.paired import marked, site_of
 
 _EMPTY: frozenset = frozenset()
 
@@ -25,30 +24,29 @@ def _union(sets: Sequence[frozenset]) -> frozenset:
 class Walk:
     """Collects ``before[site]``: the sites whose errors reach that site's inputs."""
 
-    def __init__(self, site_of: Any) -> None:
-        self.site_of = site_of
+    def __init__(self) -> None:
         self.before: dict[int, frozenset] = {}
 
     def run(self, jaxpr: Any, ins: Sequence[frozenset]) -> list[frozenset]:
         env: dict[Any, frozenset] = dict(zip(jaxpr.invars, ins))
-        for v in jaxpr.constvars:
-            env[v] = _EMPTY
-        marks = {
-            eqn.invars[0]: s
-            for eqn in jaxpr.eqns
-            if (s := self.site_of(eqn)) is not None and not isinstance(eqn.invars[0], _compat.Literal)
-        }
+        marks = marked(jaxpr)
 
         def read(v: Any) -> frozenset:
             return _EMPTY if isinstance(v, _compat.Literal) else env.get(v, _EMPTY)
 
         for eqn in jaxpr.eqns:
             ins_ = [read(v) for v in eqn.invars]
-            if self.site_of(eqn) is not None:
+            call = _compat.called_jaxpr(eqn)
+            if site_of(eqn) is not None:
                 outs = ins_
             else:
                 rule = _RULES.get(eqn.primitive.name)
-                outs = rule(self, eqn, ins_) if rule is not None else [_union(ins_)] * len(eqn.outvars)
+                if call is not None:
+                    outs = self.run(call[0], ins_)
+                elif rule is not None:
+                    outs = rule(self, eqn, ins_)
+                else:
+                    outs = [_union(ins_)] * len(eqn.outvars)
                 site = next((marks[v] for v in eqn.outvars if v in marks), None)
                 if site is not None:
                     self.before[site] = self.before.get(site, _EMPTY) | _union(ins_)
@@ -56,18 +54,6 @@ class Walk:
             for v, s in zip(eqn.outvars, outs):
                 env[v] = s
         return [read(v) for v in jaxpr.outvars]
-
-
-def _call(key: str) -> Any:
-    def rule(w: Walk, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
-        sub = eqn.params[key]
-        return w.run(getattr(sub, "jaxpr", sub), ins)
-
-    return rule
-
-
-def _custom(w: Walk, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
-    return w.run(_compat.custom_call_jaxpr(eqn).jaxpr, ins)
 
 
 def _loop(w: Walk, body: Any, fixed: list[frozenset], carry: list[frozenset], rest: list[frozenset], n_carry: int) -> list[frozenset]:
@@ -100,21 +86,16 @@ def _cond(w: Walk, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
     return [_union(list(outs)) for outs in zip(*per_branch)]
 
 
+# Loops and branches; calls are walked into (``_compat.called_jaxpr``).
 _RULES = {
-    **{name: _call("jaxpr") for name in _compat.JIT_NAMES},
-    "closed_call": _call("call_jaxpr"),
-    "core_call": _call("call_jaxpr"),
-    "remat2": _call("jaxpr"),
-    "custom_jvp_call": _custom,
-    "custom_vjp_call": _custom,
     "scan": _scan,
     "while": _while,
     "cond": _cond,
 }
 
 
-def before_sites(jaxpr: Any, site_of: Any) -> dict[int, frozenset]:
+def before_sites(jaxpr: Any) -> dict[int, frozenset]:
     """For each site marked in ``jaxpr``: the sites whose error reaches its inputs."""
-    w = Walk(site_of)
+    w = Walk()
     w.run(jaxpr, [_EMPTY] * len(jaxpr.invars))
     return w.before

@@ -225,11 +225,7 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
                     ins.append(cast_value(value, original) if _castable(value, original) else value)
                 with _compat.equation_context(node.eqn):
                     out = _compat.bind_equation(node.eqn, ins, node.eqn.params)
-                if node.ctx.observer is not None:
-                    seen = node.ctx.observer(node.eqn, node.rule, ins, out, node.ctx)
-                    if seen is not None:
-                        out = seen
-                done[id(node)] = out
+                out = done[id(node)] = node.ctx.observed(node.eqn, node.rule, ins, out)
                 return out
 
             out = evaluate(root)
@@ -374,7 +370,7 @@ def gather(
     rule: Any,
     ctx: Any,
     feeds_wide: Callable[[], bool],
-    starts: Sequence[Any] | None = None,
+    starts: Callable[[], Sequence[Any]] | None = None,
 ) -> Any:
     """Gathers ``eqn`` (for which :func:`may_gather` holds) into a region, or ends one; None
     where ``eqn`` runs as usual.
@@ -382,8 +378,8 @@ def gather(
     ``data`` marks the inputs that are data rather than constants or broadcast parameters
     (the interpreter's STRONG and RAW values). ``feeds_wide()`` says whether the result goes
     on into a float32 rule (the shift of a softmax before its ``exp``); it is asked last, as
-    answering it reads the whole jaxpr once. ``starts`` are the inputs a region that starts
-    here reads (a :class:`Moved` for a reshaped activation); by default ``invals``.
+    answering it reads the whole jaxpr once. ``starts()`` gives the inputs a region that
+    starts here reads (a :class:`Moved` for a reshaped activation); by default ``invals``.
     """
     name = eqn.primitive.name
     wide = [x for x in invals if isinstance(x, Wide) and x.stream is not None]
@@ -399,7 +395,7 @@ def gather(
         # normalises the activation reads anyway, so the activation is cast once
         x = invals[0]
         if data[0] and narrowed(x, eqn.invars[0]):
-            return Wide(eqn, invals if starts is None else starts, rule, x.dtype, ctx)
+            return Wide(eqn, invals if starts is None else starts(), rule, x.dtype, ctx)
         return None
     if name not in ELEMENTWISE or stream32:
         return None
@@ -416,5 +412,5 @@ def gather(
         or (name == "div" and _is_full(invals[1], eqn.outvars[0].aval.shape))  # 1/x
     )
     if widens or feeds_wide():
-        return Wide(eqn, invals if starts is None else starts, rule, stream, ctx)
+        return Wide(eqn, invals if starts is None else starts(), rule, stream, ctx)
     return None

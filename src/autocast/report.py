@@ -82,7 +82,7 @@ def _fmt(v: Any) -> str:
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: ("  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))).rstrip()  # noqa: E731
     return [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
 
 

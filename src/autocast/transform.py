@@ -102,6 +102,13 @@ class _Traced:
 
         return run
 
+    def rebuild(self, outs: Any) -> Any:
+        """The function's output structure around the jaxpr's outputs ``outs`` (its static
+        leaves put back in place)."""
+        it = iter(outs)
+        leaves = [next(it) if s is None else s for s in self.out_static]
+        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
 
 def _unmapped(mapped_by: Sequence[frozenset], every: frozenset) -> list[int] | None:
     """Kinds for values when ``jax.vmap(amp(f))`` maps some inputs and not others, else None:
@@ -191,11 +198,7 @@ class _Amp:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _outer_amp_tracing():
             return self._fn(*args, **kwargs)
-        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-        traced = self._trace(in_tree, leaves, dynamic)
-        # A Python float enters as the weakly typed array jax.jit would make of it.
-        args_in = [jnp.asarray(x) if type(x) in _TRACED_SCALARS else x for x in (leaves[i] for i in dynamic)]
+        traced, args_in = self._traced_call(args, kwargs)
         ctx = self._context()
         if any(isinstance(x, jax.core.Tracer) for x in args_in):
             outs = traced.evaluate(ctx)(*args_in)
@@ -207,9 +210,15 @@ class _Amp:
             if compiled is None:
                 compiled = traced.compiled[key] = jax.jit(traced.evaluate(ctx))
             outs = compiled(*args_in)
-        outs = iter(outs)
-        out_leaves = [next(outs) if s is None else s for s in traced.out_static]
-        return jax.tree_util.tree_unflatten(traced.out_tree, out_leaves)
+        return traced.rebuild(outs)
+
+    def _traced_call(self, args: tuple, kwargs: dict) -> tuple[_Traced, list[Any]]:
+        """The trace for these arguments, and the values its jaxpr takes: the array leaves,
+        and Python floats as the weakly typed arrays jax.jit would make of them."""
+        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        traced = self._trace(in_tree, leaves, dynamic)
+        return traced, [jnp.asarray(x) if type(x) in _TRACED_SCALARS else x for x in (leaves[i] for i in dynamic)]
 
 
 def _check_output(fn: Any, out: Any) -> None:
