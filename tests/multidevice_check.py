@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autocast
-from autocast import _measure
+from autocast import _compat, _measure
 
 
 def dot_dtypes(jaxpr):
