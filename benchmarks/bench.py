@@ -16,6 +16,8 @@ Sections, each a table (``--only`` picks some):
   communicated per step, loss against float32;
 - ``trace``: ``jit(amp(f)).lower`` over ``jit(f).lower`` on a 12-layer GPT;
 - ``third_party``: amp on custom rules with closures, diffrax, optimistix, lineax, Pallas;
+- ``diagnose``: what ``autocast.diagnose`` costs against amp's first call (trace, compile,
+  run) on the demo's GPT as a loss, a gradient, and a jitted gradient of scanned blocks;
 - ``step``: gradient step time and peak memory (``compiled.memory_analysis()``, and the
   device's own peak where it reports one), float32 vs hand-cast vs amp. Runs by default on a
   GPU only; ``--step-figures`` runs it on any backend, so the GPU path is exercised on CPU.
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
+import diagnose_cost  # noqa: E402
 import mixed_precision  # noqa: E402
 import model_families  # noqa: E402
 import third_party  # noqa: E402
@@ -172,9 +175,14 @@ def run_third_party(results: dict, options: argparse.Namespace) -> None:
     results["third_party"] = third_party.main()
 
 
+def run_diagnose(results: dict, options: argparse.Namespace) -> None:
+    print("== the numerics debugger's cost: autocast.diagnose vs amp's first call, demo GPT ==")
+    results["diagnose"] = diagnose_cost.main()
+
+
 RUNNERS = {
     "jaxpr": run_jaxpr, "families": run_families, "torch": run_torch, "parallel": run_parallel,
-    "trace": run_trace, "third_party": run_third_party, "step": run_step,
+    "trace": run_trace, "third_party": run_third_party, "diagnose": run_diagnose, "step": run_step,
 }
 SECTIONS = tuple(RUNNERS)
 
