@@ -4,12 +4,14 @@
 parts in float32, through ``jit``, ``grad`` and ``vmap``. Policies and casting helpers
 (``Policy``, ``get_policy``, ``cast_to_half``, ...) and loss-scale objects
 (``DynamicLossScale``, ``all_finite``, ...) keep the names of ``jaxamp`` and ``jmp``, so
-code written for them ports by changing its import line. ``diagnose(fn)`` finds the equation,
+code written for them ports by changing its import line. ``amp(fn, compute_dtype="fp8")``
+runs the matrix products in float8 with per-tensor scaling. ``diagnose(fn)`` finds the equation,
 and the line, where mixed precision lost accuracy or overflowed. Loss scaling for float16 training:
 ``DynamicScalerState`` with ``dynamic_scale_value_and_grad``, or ``autocast.optax`` (optional).
 """
 
 from autocast.diagnose import Diagnosis, Entry, diagnose
+from autocast.fp8 import use_fp8_precision
 from autocast.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -87,6 +89,7 @@ __all__ = [
     "report",
     "select_tree",
     "use_compute_precision",
+    "use_fp8_precision",
     "use_full_precision",
     "use_input_precision",
     "use_original_precision",

@@ -17,7 +17,7 @@ from autocast import _compat
 from autocast._tree import is_floating_dtype
 
 _REMAT_NAMES = frozenset({"remat2", "checkpoint"})
-_MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"})
+MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"})
 
 
 def equations(jaxpr: Any) -> Iterator[Any]:
@@ -46,17 +46,23 @@ def matmul_flops(eqn: Any) -> int:
     return 2 * math.prod(out.shape) * lhs.shape[-1]
 
 
-def matmul_flop_counts(jaxpr: Any, bits: int = 16) -> tuple[int, int]:
-    """``(low, total)``: matmul/conv FLOPs whose operands have at most ``bits`` bits, and all."""
-    total = low = 0
+def flop_counts_where(jaxpr: Any, which: Callable[[list[Any]], bool]) -> tuple[int, int]:
+    """``(chosen, total)``: FLOPs of the matmul/conv equations for whose operand dtypes
+    ``which`` holds, and of all of them."""
+    total = chosen = 0
     for eqn in equations(jaxpr):
-        if eqn.primitive.name not in _MATMUL_NAMES:
+        if eqn.primitive.name not in MATMUL_NAMES:
             continue
         flops = matmul_flops(eqn)
         total += flops
-        if all(v.aval.dtype.itemsize * 8 <= bits for v in eqn.invars[:2]):
-            low += flops
-    return low, total
+        if which([v.aval.dtype for v in eqn.invars[:2]]):
+            chosen += flops
+    return chosen, total
+
+
+def matmul_flop_counts(jaxpr: Any, bits: int = 16) -> tuple[int, int]:
+    """``(low, total)``: matmul/conv FLOPs whose operands have at most ``bits`` bits, and all."""
+    return flop_counts_where(jaxpr, lambda dtypes: all(d.itemsize * 8 <= bits for d in dtypes))
 
 
 def low_precision_flop_share(jaxpr: Any, bits: int = 16) -> float:

@@ -181,7 +181,7 @@ def diagnose(
             reference=traced.rebuild(refs),
             output_error=float(worst),
             diverged=recorder.diverged,
-            compute_dtype=ctx.compute_dtype,
+            compute_dtype=ctx.compute_dtype if amp_fn.fp8_recipe is None else amp_fn.fp8_recipe.forward,
         )
 
     return run

@@ -40,11 +40,12 @@ import numpy as np
 from autocast import _compat, regions
 from autocast._tree import is_floating_dtype
 from autocast.rules import (
+    CUSTOM_BINDINGS,
     PrecisionFn,
     _castable,
     cast_memo,
     cast_value,
-    use_compute_precision,
+    is_compute_rule,
     use_full_precision,
     use_input_precision,
     use_original_precision,
@@ -242,7 +243,7 @@ class _Uses:
         verdict: dict[Any, bool] = {}
         for eqn in reversed(self._jaxpr.eqns):
             name = eqn.primitive.name
-            if decide(eqn, self._ctx) is use_compute_precision:
+            if is_compute_rule(decide(eqn, self._ctx)):
                 # a matrix product; a jit or loop in a compute-precision scope may pass the
                 # value on unchanged, so it is not one
                 ok = not _compat.sub_jaxpr_params(eqn.params)
@@ -413,7 +414,8 @@ def apply_first_order(
         # A cast of a constant is folded on the host, so it costs no equation.
         return cast_value(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
-    return ctx.observed(eqn, rule, invars, _compat.bind_equation(eqn, invars, params))
+    bind = CUSTOM_BINDINGS.get(rule, _compat.bind_equation)
+    return ctx.observed(eqn, rule, invars, bind(eqn, invars, params))
 
 
 def eval_jaxpr(

@@ -197,6 +197,11 @@ class Pass:
                 outs = ins  # the marked value passes through; it was measured at its producer
             elif call is not None:
                 outs = self.inline(*call, ins)
+                site = next((marks[v] for v in eqn.outvars if v in marks), None)
+                if site is not None:
+                    # an equation amp evaluated as a call of its own (a scaled float8
+                    # product): it ran in the narrowest dtype it computed with
+                    self._record(site, _narrowest(call[0]), [x.amp for x in outs], [x.ref for x in outs])
             else:
                 handler = _HANDLERS.get(eqn.primitive.name)
                 outs = handler(self, eqn, ins) if handler is not None else self._first_order(eqn, ins, marks)
@@ -232,13 +237,17 @@ class Pass:
             ref_out = self._reference(eqn, ins, site)
         ref_out = [_as(r, widen(a.dtype)) if _is_float(a) else r for a, r in zip(amp_out, ref_out)]
         if site is not None:
-            self.dtypes.setdefault(site, _ran_in(ins, amp_out))
-            floats = [i for i, a in enumerate(amp_out) if _is_float(a)]
-            jax.debug.callback(
-                functools.partial(self.recorder.site, site), self.active,
-                [amp_out[i] for i in floats], [ref_out[i] for i in floats], ordered=True,
-            )
+            self._record(site, _ran_in(ins, amp_out), amp_out, ref_out)
         return [Value(a, r) for a, r in zip(amp_out, ref_out)]
+
+    def _record(self, site: int, dtypes: tuple[str, ...], amp_out: list, ref_out: list) -> None:
+        """Sends the floating outputs of ``site`` to the recorder as the program runs."""
+        self.dtypes.setdefault(site, dtypes)
+        floats = [i for i, a in enumerate(amp_out) if _is_float(a)]
+        jax.debug.callback(
+            functools.partial(self.recorder.site, site), self.active,
+            [amp_out[i] for i in floats], [ref_out[i] for i in floats], ordered=True,
+        )
 
     def _reference(self, eqn: Any, ins: list[Value], site: int | None) -> list[Any]:
         refs = [x.ref for x in ins]
@@ -279,6 +288,17 @@ def _ran_in(ins: list[Value], outs: list[Any]) -> tuple[str, ...]:
     if not names:
         names = [np.dtype(x.dtype).name for x in outs if _is_float(x)]
     return tuple(dict.fromkeys(names))
+
+
+def _narrowest(jaxpr: Any) -> tuple[str, ...]:
+    """The narrowest floating dtype the equations of ``jaxpr`` take (none if none)."""
+    dtypes = {
+        np.dtype(v.aval.dtype)
+        for eqn in jaxpr.eqns
+        for v in eqn.invars
+        if hasattr(v.aval, "dtype") and is_floating_dtype(v.aval.dtype)
+    }
+    return (min(dtypes, key=lambda d: d.itemsize).name,) if dtypes else ()
 
 
 # --- the higher-order equations amp's program holds ----------------------------------------

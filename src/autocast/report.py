@@ -42,7 +42,8 @@ class Report:
     """The precision report of one call; ``str(report)`` renders it as text tables.
 
     ``summary`` holds the figures: ``low_precision_flop_share`` (forward and, when the
-    function can be differentiated, ``backward``), ``casts`` (casts amp added),
+    function can be differentiated, ``backward``), ``fp8_flop_share`` likewise for float8
+    operands (only where amp runs float8 products), ``casts`` (casts amp added),
     ``residual_bytes`` and ``residual_bytes_original`` (bytes ``jax.vjp`` keeps for the
     backward pass with and without amp, ``None`` when not differentiable).
 
@@ -169,16 +170,25 @@ def report(
         low, total = _measure.matmul_flop_counts(amp_jaxpr)
         share: dict[str, Any] = {"forward": low / total if total else None}
         summary: dict[str, Any] = {"low_precision_flop_share": share}
+        fp8, _ = _measure.matmul_flop_counts(amp_jaxpr, bits=8)
+        fp8_share: dict[str, Any] | None = None
+        if fp8 or amp_fn.fp8_recipe is not None:
+            fp8_share = summary["fp8_flop_share"] = {"forward": fp8 / total if total else None}
         summary["casts"] = _measure.count_casts(amp_jaxpr) - _measure.count_casts(original)
         try:
             both = jax.make_jaxpr(_pullback(amp_fn))(*args, **kwargs)
         except (TypeError, ValueError):  # not differentiable (integer inputs, ...)
             share["backward"] = None
+            if fp8_share is not None:
+                fp8_share["backward"] = None
             summary["residual_bytes"] = summary["residual_bytes_original"] = None
         else:
             low_all, total_all = _measure.matmul_flop_counts(both)
             back_total = total_all - total
             share["backward"] = (low_all - low) / back_total if back_total else None
+            if fp8_share is not None:
+                fp8_all, _ = _measure.matmul_flop_counts(both, bits=8)
+                fp8_share["backward"] = (fp8_all - fp8) / back_total if back_total else None
             summary["residual_bytes"] = _residual_bytes(amp_fn, args, kwargs)
             summary["residual_bytes_original"] = _residual_bytes(fn, args, kwargs)
 

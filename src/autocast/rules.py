@@ -288,6 +288,18 @@ def use_own_precision(
     return invars, bind_params
 
 
+# Precision functions that evaluate their equation themselves once they have cast its inputs:
+# rule -> bind(eqn, invars, params), in place of binding the primitive. Filled where such a
+# rule is defined (the scaled float8 products of :mod:`autocast.fp8`); each casts as
+# use_compute_precision does.
+CUSTOM_BINDINGS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {}
+
+
+def is_compute_rule(rule: Any) -> bool:
+    """Whether ``rule`` runs its equation in the compute dtype (or narrower, in float8)."""
+    return rule is use_compute_precision or rule in CUSTOM_BINDINGS
+
+
 # The float32 rows of the table: float32 for a float32 program, never narrower than the program.
 use_float32_precision = use_full_precision
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, overload
 import jax
 import jax.numpy as jnp
 
-from autocast import _compat, closures
+from autocast import _compat, closures, fp8
 from autocast._tree import is_array, is_floating_dtype
 from autocast.interpreter import RAW, UNMAPPED, Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
@@ -134,10 +134,19 @@ class _Amp:
 
     def __init__(self, fn: Callable[..., Any], compute_dtype: Any, amp_policy: Any) -> None:
         self._fn = fn
-        self._compute_dtype = (
-            None if compute_dtype is None else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
-        )
         policy = default_amp_policy if amp_policy is None else _check_policy(amp_policy)
+        # A float8 compute dtype is a recipe (SPEC 8): scaled float8 matrix products, and
+        # bfloat16 for everything else.
+        self.fp8_recipe = None if compute_dtype is None else fp8.recipe_for(compute_dtype)
+        if self.fp8_recipe is not None:
+            compute_dtype = fp8.CARRIER
+            policy = fp8.with_fp8_products(policy, self.fp8_recipe)
+        try:
+            self._compute_dtype = (
+                None if compute_dtype is None else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
+            )
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{e}; for float8 matrix products: {fp8.ACCEPTED}") from None
         self._policy = policy
         self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
         self._traces: collections.OrderedDict = collections.OrderedDict()
@@ -255,6 +264,10 @@ def amp(
     ``fn``'s, and gradients come back in the dtypes of the inputs. Integer, boolean and
     float64 values are never cast. Works under and around ``jax.jit``, ``jax.grad`` and
     ``jax.vmap``. Usable as ``@amp`` and ``@amp(compute_dtype=...)``.
+
+    A float8 ``compute_dtype`` (``jnp.float8_e4m3fn``, ``"fp8"``, ``jnp.float8_e5m2``) runs
+    the matrix products in float8 with per-tensor scaling and everything else in bfloat16
+    (:func:`autocast.use_fp8_precision`; README, "Float8 compute").
 
     ``amp_policy`` maps ``jax.named_scope`` names and primitives to precision functions; the
     outermost matching scope wins, then the primitive, then the key ``"amp_default"``. A

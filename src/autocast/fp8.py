@@ -1,0 +1,286 @@
+"""Float8 matrix products (SPEC 8): ``amp(fn, compute_dtype=jnp.float8_e4m3fn)``.
+
+The recipe is a policy, not a second engine: the default table with its matrix-product rows
+(``dot_general``, ``conv_general_dilated``) given :func:`use_fp8_precision`, and bfloat16 as
+the compute dtype of everything else. A product under that rule quantises each operand with
+*per-tensor current scaling*: its scale is ``amax / max`` of the float8 format, computed in
+float32 inside the program from the tensor itself, so there is no state to thread through the
+train step. Forward operands are stored in e4m3 (3 mantissa bits), the output gradient that
+meets them in the backward products in e5m2 (2 mantissa bits, about 14 more binades: gradients
+span a wider range than activations), the hybrid format of NVIDIA's Transformer Engine.
+Products accumulate in float32 (``preferred_element_type``, which XLA maps to FP8 GEMMs on
+GPUs that have them); the result is rescaled and carried on in bfloat16.
+
+``jax.nn.scaled_dot_general`` is not used: it implements block scaling (MXFP8, NVFP4, one
+scale per 32 elements), which needs contraction sizes divisible by the block and hardware
+from NVIDIA's Blackwell generation on, and has no convolution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autocast import _compat
+from autocast.rules import (
+    CUSTOM_BINDINGS,
+    PolicyKey,
+    PrecisionFn,
+    _castable,
+    use_compute_precision,
+)
+
+_F32 = np.dtype(np.float32)
+
+# What everything but the scaled products runs in (SPEC 8: the bfloat16 rules).
+CARRIER = np.dtype(jnp.bfloat16)
+
+# Forward format -> the format of the output gradients in the backward products. e5m2
+# forward means e5m2 everywhere; the "fnuz" formats (AMD's, no infinities, no -0) pair up.
+GRADIENT_FORMAT: dict[np.dtype, np.dtype] = {
+    np.dtype(jnp.float8_e4m3fn): np.dtype(jnp.float8_e5m2),
+    np.dtype(jnp.float8_e5m2): np.dtype(jnp.float8_e5m2),
+    np.dtype(jnp.float8_e4m3fnuz): np.dtype(jnp.float8_e5m2fnuz),
+    np.dtype(jnp.float8_e5m2fnuz): np.dtype(jnp.float8_e5m2fnuz),
+}
+# Spellings of the default recipe, e4m3 forward and e5m2 gradients.
+_NAMES = ("fp8", "float8")
+ACCEPTED = ", ".join([*(repr(n) for n in _NAMES), *(d.name for d in GRADIENT_FORMAT)])
+
+# The products the recipe scales, and those of them whose operands must share one dtype
+# (JAX refuses a convolution of e5m2 by e4m3; a dot_general takes them).
+PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+_SAME_OPERAND_DTYPES = frozenset({"conv_general_dilated"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The float8 formats of one recipe: forward operands, and backward output gradients."""
+
+    forward: np.dtype
+    gradient: np.dtype
+
+
+DEFAULT_RECIPE = Recipe(np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
+def recipe_for(compute_dtype: Any) -> Recipe | None:
+    """The recipe ``compute_dtype`` asks for, or None when it is not a float8 type.
+
+    ``"fp8"``, ``"float8"`` and ``float8_e4m3fn`` give e4m3 forward and e5m2 gradients;
+    ``float8_e5m2`` gives e5m2 for both; the ``fnuz`` variants likewise with their own pair.
+    """
+    if isinstance(compute_dtype, str):
+        if compute_dtype.strip().lower() in _NAMES:
+            return DEFAULT_RECIPE
+        if "float8" not in compute_dtype.lower():
+            return None
+    try:
+        dtype = np.dtype(jnp.dtype(compute_dtype))
+    except TypeError:
+        return None  # not a dtype at all: amp's own check says what it accepts
+    if dtype.itemsize != 1 or not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    gradient = GRADIENT_FORMAT.get(dtype)
+    if gradient is None:
+        raise ValueError(
+            f"compute_dtype {dtype.name} has no float8 recipe (its range or encoding suits no "
+            f"GPU's FP8 products); accepted 8-bit compute dtypes: {ACCEPTED}"
+        )
+    return Recipe(dtype, gradient)
+
+
+def _scale(x: Any, fmt: np.dtype) -> Any:
+    """Per-tensor current scale of ``x`` for ``fmt``: ``amax / fmt.max`` in float32, 1 for an
+    all-zero tensor. A non-finite amax gives a non-finite scale on purpose: an overflow in
+    the step must reach the loss scaler's check, not be clipped into range."""
+    amax = jnp.max(jnp.abs(x)).astype(_F32)
+    return jnp.where(amax > 0, amax / float(jnp.finfo(fmt).max), jnp.ones((), _F32))
+
+
+def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
+    """``x`` in the float8 format ``fmt`` with per-tensor current scaling: ``(q, scale)``
+    with ``q * scale ≈ x``, ``q``'s largest magnitude the format's largest finite value.
+
+    >>> import jax.numpy as jnp
+    >>> from autocast.fp8 import quantise
+    >>> q, s = quantise(jnp.array([1e-6, -2e-6, 4e-6]), jnp.float8_e4m3fn)
+    >>> q.dtype, q.astype(jnp.float32).tolist(), round(float(s) * 1e6, 4)
+    (dtype(float8_e4m3fn), [112.0, -224.0, 448.0], 0.0089)
+    """
+    fmt = np.dtype(fmt)
+    top = float(jnp.finfo(fmt).max)
+    s = _scale(x, fmt)
+    return jnp.clip(x.astype(_F32) / s, -top, top).astype(fmt), s
+
+
+def _widened(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A product's parameters with float32 accumulation."""
+    return {**params, "preferred_element_type": _F32}
+
+
+def _frozen(params: Mapping[str, Any]) -> tuple:
+    return tuple(sorted(params.items()))
+
+
+@functools.lru_cache(maxsize=512)
+def _transposed(prim: Any, frozen: tuple, a_shape: tuple, b_shape: tuple, which: int) -> Any:
+    """The closed jaxpr of the product's transpose in operand ``which``, traced in float32:
+    ``(g, other) -> gradient of operand which``. JAX's own transposition rule writes it, so
+    every dimension layout, dilation and feature grouping is covered; it is then evaluated on
+    float8 values (:func:`_evaluate`)."""
+    params = dict(frozen)
+    a = jax.ShapeDtypeStruct(a_shape, _F32)
+    b = jax.ShapeDtypeStruct(b_shape, _F32)
+    out = jax.eval_shape(lambda a, b: prim.bind(a, b, **params), a, b)
+    if which == 0:
+        return jax.make_jaxpr(
+            lambda g, b: jax.linear_transpose(lambda a: prim.bind(a, b, **params), a)(g)[0]
+        )(out, b)
+    return jax.make_jaxpr(
+        lambda a, g: jax.linear_transpose(lambda b: prim.bind(a, b, **params), b)(g)[0]
+    )(a, out)
+
+
+def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any) -> Any:
+    """Evaluates a transpose jaxpr on float8 operands. Its products accumulate in float32;
+    for one that needs equal operand dtypes, both go to ``same_dtype``. The rest of the
+    jaxpr only moves data (``rev``, ``transpose``) and follows its inputs' dtypes."""
+    env = dict(zip(closed.jaxpr.invars, args))
+    env.update(zip(closed.jaxpr.constvars, closed.consts))
+    read = lambda v: _compat.literal_value(v) if isinstance(v, _compat.Literal) else env[v]  # noqa: E731
+    for eqn in closed.jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        params = dict(eqn.params)
+        if eqn.primitive.name in PRODUCTS:
+            params = _widened(params)
+            if eqn.primitive.name in _SAME_OPERAND_DTYPES:
+                invals = [x.astype(same_dtype) for x in invals]
+        outs = _compat.bind_equation(eqn, invals, params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    (out,) = [read(v) for v in closed.jaxpr.outvars]
+    return out
+
+
+def _product(
+    prim: Any, frozen: tuple, recipe: Recipe, dtypes: tuple[Any, Any], out_dtype: Any
+) -> Callable[[Any, Any], Any]:
+    """The scaled float8 product for one equation's parameters and dtypes, with its custom
+    derivative: e5m2 output gradients against the e4m3 operands the forward pass kept (the
+    residuals are the float8 operands, half of what a bfloat16 product keeps)."""
+    params = _widened(dict(frozen))
+    wide = _frozen(params)
+
+    def forward(a: Any, b: Any) -> tuple[Any, Any]:
+        (qa, sa), (qb, sb) = quantise(a, recipe.forward), quantise(b, recipe.forward)
+        out = prim.bind(qa, qb, **params) * (sa * sb)
+        return out.astype(out_dtype), (qa, sa, qb, sb)
+
+    def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
+        qa, sa, qb, sb = residuals
+        qg, sg = quantise(g, recipe.gradient)
+        to_a = _transposed(prim, wide, qa.shape, qb.shape, 0)
+        to_b = _transposed(prim, wide, qa.shape, qb.shape, 1)
+        da = _evaluate(to_a, [qg, qb], recipe.gradient) * (sg * sb)
+        db = _evaluate(to_b, [qa, qg], recipe.gradient) * (sa * sg)
+        return da.astype(dtypes[0]), db.astype(dtypes[1])
+
+    product = jax.custom_vjp(lambda a, b: forward(a, b)[0])
+    product.defvjp(forward, backward)
+    return product
+
+
+_cached_product = functools.lru_cache(maxsize=1024)(_product)
+
+
+def _scaled(x: Any) -> bool:
+    """A value the recipe quantises: floating, wider than 8 bits, not float64."""
+    return _castable(x, x.dtype) and np.dtype(x.dtype).itemsize > 1
+
+
+def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict], Any]:
+    def bind(eqn: Any, invars: Sequence[Any], params: dict) -> Any:
+        if eqn.primitive.name not in PRODUCTS or not all(_scaled(x) for x in invars[:2]):
+            return _compat.bind_equation(eqn, invars, params)
+        a, b = invars
+        out_dtype = params.get("preferred_element_type")
+        if out_dtype is None:  # a convolution's default: its operands' dtype
+            out_dtype = jnp.result_type(a, b)
+        key = (eqn.primitive, _frozen(params), recipe, (a.dtype, b.dtype), np.dtype(out_dtype))
+        try:
+            product = _cached_product(*key)
+        except TypeError:  # a parameter that cannot be hashed: built for this equation only
+            product = _product(*key)
+        return product(a, b)
+
+    return bind
+
+
+def _rule(recipe: Recipe) -> PrecisionFn:
+    def rule(
+        compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+    ) -> tuple[Sequence[Any], dict[str, Any]]:
+        return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
+
+    suffix = "" if recipe == DEFAULT_RECIPE else f"({recipe.forward.name})"
+    rule.__name__ = rule.__qualname__ = f"use_fp8_precision{suffix}"
+    rule.__doc__ = use_fp8_precision.__doc__
+    CUSTOM_BINDINGS[rule] = _binding(recipe)
+    return rule
+
+
+def use_fp8_precision(
+    compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """Runs matrix products in float8, everything else as :func:`use_compute_precision`.
+
+    A ``dot_general`` or ``conv_general_dilated`` under this rule quantises both operands to
+    e4m3 with per-tensor current scaling, accumulates in float32, and returns the rescaled
+    product in the compute dtype; its backward products take the output gradient in e5m2.
+    ``amp(fn, compute_dtype="fp8")`` gives the matrix-product rows of the policy this rule;
+    it can also be given to a named scope only, with a 16-bit compute dtype elsewhere.
+
+    >>> import autocast, jax, jax.numpy as jnp
+    >>> policy = {**autocast.default_amp_policy, "mlp": autocast.use_fp8_precision}
+    >>> def f(w, x):
+    ...     with jax.named_scope("mlp"):
+    ...         x = x @ w
+    ...     return x @ w
+    >>> r = autocast.report(f, compute_dtype=jnp.bfloat16, amp_policy=policy)(
+    ...     jnp.ones((4, 4)), jnp.ones((2, 4)))
+    >>> r.summary["fp8_flop_share"]
+    {'forward': 0.5, 'backward': 0.5}
+    """
+    return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
+
+
+CUSTOM_BINDINGS[use_fp8_precision] = _binding(DEFAULT_RECIPE)
+_RULES: dict[Recipe, PrecisionFn] = {DEFAULT_RECIPE: use_fp8_precision}
+
+
+def rule_for(recipe: Recipe) -> PrecisionFn:
+    """The precision function of ``recipe`` (:func:`use_fp8_precision` for the default)."""
+    rule = _RULES.get(recipe)
+    if rule is None:
+        rule = _RULES[recipe] = _rule(recipe)
+    return rule
+
+
+def with_fp8_products(policy: Mapping[PolicyKey, PrecisionFn], recipe: Recipe) -> dict[PolicyKey, PrecisionFn]:
+    """``policy`` with each matrix-product primitive it runs in the compute dtype run by
+    ``recipe`` instead. Rows that say something else (a user's float32 ``dot_general``) and
+    named scopes are kept as they are."""
+    fp8_rule = rule_for(recipe)
+    changed = dict(policy)
+    for name in PRODUCTS:
+        prim = _compat.primitive_by_name(name)
+        if prim is not None and changed.get(prim) is use_compute_precision:
+            changed[prim] = fp8_rule
+    return changed
+

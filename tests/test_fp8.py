@@ -1,0 +1,261 @@
+"""Float8 compute (SPEC 8): scaled e4m3 products forward, e5m2 output gradients backward,
+float32 accumulation, bfloat16 for the rest; read off jaxprs and checked against float32."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import eqns_named, operand_dtypes
+from hypothesis import given, settings
+
+import autocast
+from autocast import _measure, _models, demo, fp8
+
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+
+
+def _is_fp8(dtypes):
+    return all(d.itemsize == 1 for d in dtypes)
+
+
+def _has_e5m2(dtypes):
+    return any(d == jnp.float8_e5m2 for d in dtypes)
+
+
+def _demo_gpt():
+    config = dict(vocab=len(demo.ALPHABET), d=64, layers=2, seq=32)
+    params = _models.init_gpt(jax.random.PRNGKey(0), **config)
+    return params, next(demo.batches(demo.corpus(), batch=16, seq=config["seq"]))
+
+
+def test_gpt_matrix_flops_are_float8_forward_and_backward_with_e5m2_gradients():
+    params, tokens = _demo_gpt()
+    f8 = autocast.amp(_models.gpt_loss, compute_dtype=jnp.float8_e4m3fn)
+    fwd = jax.make_jaxpr(f8)(params, tokens)
+    both = jax.make_jaxpr(jax.value_and_grad(f8))(params, tokens)
+    fp8_fwd, total_fwd = _measure.flop_counts_where(fwd, _is_fp8)
+    fp8_all, total_all = _measure.flop_counts_where(both, _is_fp8)
+    e5m2_all, _ = _measure.flop_counts_where(both, _has_e5m2)
+    back = total_all - total_fwd
+    assert fp8_fwd / total_fwd >= 0.95
+    assert (fp8_all - fp8_fwd) / back >= 0.95
+    assert e5m2_all / back >= 0.40
+    # float32 accumulation in every product
+    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in eqns_named(both, "dot_general"))
+    loss, grads = jax.jit(jax.value_and_grad(f8))(params, tokens)
+    loss32, grads32 = jax.jit(jax.value_and_grad(_models.gpt_loss))(params, tokens)
+    assert loss.dtype == jnp.float32 and np.isfinite(loss)
+    assert abs(float(loss) - float(loss32)) < 0.05 * float(loss32)
+    same = jax.tree_util.tree_map(lambda g, r: g.dtype == r.dtype and g.shape == r.shape, grads, grads32)
+    assert all(jax.tree_util.tree_leaves(same))
+    assert autocast.all_finite(grads)
+    assert _measure.relative_error(grads, grads32) < 0.2
+
+
+def test_training_150_adam_steps_ends_within_5_percent_of_bfloat16():
+    params, _ = _demo_gpt()
+    optimizer = optax.adam(3e-3)
+
+    def train(loss_fn):
+        @jax.jit
+        def step(p, s, t):
+            value, grads = jax.value_and_grad(loss_fn)(p, t)
+            updates, s = optimizer.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+
+        p, s, losses = params, optimizer.init(params), []
+        data = demo.batches(demo.corpus(), batch=16, seq=32)
+        for _ in range(150):
+            p, s, value = step(p, s, next(data))
+            losses.append(float(value))
+        return np.mean(losses[-10:]), losses
+
+    bf16, _ = train(autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16))
+    f8, losses = train(autocast.amp(_models.gpt_loss, compute_dtype="fp8"))
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < 0.8 * losses[0]  # it learned
+    assert abs(f8 / bf16 - 1) < 0.05
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e4])
+def test_per_tensor_scaling_holds_ranges_e4m3_cannot(scale):
+    kx, kw = jax.random.split(jax.random.PRNGKey(1))
+    x = jax.random.normal(kx, (32, 64)) * scale
+    w = jax.random.normal(kw, (64, 48))
+    exact = x @ w
+    got = autocast.amp(lambda x, w: x @ w, compute_dtype="fp8")(x, w)
+    assert got.dtype == jnp.float32
+    assert _measure.relative_error(got, exact) < 0.1
+    # the same operands cast to e4m3 unscaled: 1e-6 is below its smallest subnormal (2**-9)
+    # and 1e4 above its largest value (448), so without the scale both would be lost
+    unscaled = x.astype(jnp.float8_e4m3fn).astype(jnp.float32) @ w
+    if scale != 1.0:
+        assert not _measure.relative_error(unscaled, exact) < 0.5
+
+
+@settings(max_examples=15, deadline=None)
+@given(k=st.integers(-40, 40), seed=st.integers(0, 2**16))
+def test_scaling_an_operand_by_a_power_of_two_scales_the_product_exactly(k, seed):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (8, 16))
+    w = jax.random.normal(kw, (16, 4))
+    product = jax.jit(autocast.amp(lambda x, w: x @ w, compute_dtype="fp8"))
+    # the quantised values are the same, only the float32 scale moves
+    np.testing.assert_array_equal(product(x * 2.0**k, w), product(x, w) * 2.0**k)
+
+
+@pytest.mark.parametrize(
+    "spelling, forward, gradient",
+    [
+        ("fp8", E4M3, E5M2),
+        (" FP8 ", E4M3, E5M2),
+        ("float8", E4M3, E5M2),
+        (jnp.float8_e4m3fn, E4M3, E5M2),
+        ("float8_e4m3fn", E4M3, E5M2),
+        (jnp.float8_e5m2, E5M2, E5M2),
+        (jnp.float8_e4m3fnuz, "float8_e4m3fnuz", "float8_e5m2fnuz"),
+    ],
+)
+def test_spellings_choose_forward_and_gradient_formats(spelling, forward, gradient):
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    f = autocast.amp(lambda w, x: jnp.sum(x @ w), compute_dtype=spelling)
+    jaxpr = jax.make_jaxpr(jax.grad(f))(w, x)
+    dots = operand_dtypes(jaxpr, "dot_general")
+    assert dots[0] == (forward, forward)
+    assert all(sorted(d) == sorted((forward, gradient)) for d in dots[1:]) and len(dots) == 3
+    assert float(f(w, x)) == 24.0
+
+
+def test_float8_types_without_a_recipe_are_refused_by_name():
+    with pytest.raises(ValueError, match="float8_e4m3b11fnuz.*accepted.*'fp8'.*float8_e5m2"):
+        autocast.amp(lambda x: x, compute_dtype=jnp.float8_e4m3b11fnuz)
+    with pytest.raises(ValueError, match="fp9"):
+        autocast.amp(lambda x: x, compute_dtype="fp9")
+
+
+def test_everything_but_the_products_follows_the_bfloat16_rules():
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+
+    def f(w, x):
+        h = jnp.tanh(x @ w)
+        return jnp.sum(jnp.exp(h @ w))
+
+    def dtypes(jaxpr, name):
+        return [e.outvars[0].aval.dtype.name for e in eqns_named(jaxpr, name)]
+
+    f8 = jax.make_jaxpr(autocast.amp(f, compute_dtype="fp8"))(w, x)
+    bf = jax.make_jaxpr(autocast.amp(f, compute_dtype=jnp.bfloat16))(w, x)
+    for name in ("tanh", "exp", "reduce_sum"):
+        assert dtypes(f8, name) == dtypes(bf, name)
+    assert dtypes(f8, "tanh") == ["bfloat16"] and dtypes(f8, "exp") == ["float32"]
+
+
+def test_convolutions_run_in_float8_with_e5m2_gradients():
+    kk, ki = jax.random.split(jax.random.PRNGKey(2))
+    img = jax.random.normal(ki, (2, 3, 16, 16))
+    kernel = jax.random.normal(kk, (8, 3, 3, 3)) / 5
+    depthwise = jax.random.normal(kk, (3, 1, 3, 3))
+
+    def conv(kernel, img, groups):
+        y = jax.lax.conv_general_dilated(img, kernel, (2, 2), "SAME", feature_group_count=groups)
+        return jnp.sum(jnp.sin(y))
+
+    for k, groups in ((kernel, 1), (depthwise, 3)):
+        f8 = autocast.amp(conv, compute_dtype="fp8")
+        jaxpr = jax.make_jaxpr(jax.grad(f8, (0, 1)), static_argnums=2)(k, img, groups)
+        convs = operand_dtypes(jaxpr, "conv_general_dilated")
+        # JAX's convolution takes one operand dtype: both backward operands are e5m2
+        assert convs == [(E4M3, E4M3), (E5M2, E5M2), (E5M2, E5M2)]
+        got = jax.grad(f8, (0, 1))(k, img, groups)
+        want = jax.grad(conv, (0, 1))(k, img, groups)
+        assert _measure.relative_error(got, want) < 0.15
+
+
+def test_products_under_vmap_scan_checkpoint_and_jit():
+    kw, kx = jax.random.split(jax.random.PRNGKey(3))
+    w = jax.random.normal(kw, (8, 8)) / 3
+    xs = jax.random.normal(kx, (5, 4, 8))
+
+    def scanned(w, x):
+        @jax.checkpoint
+        def body(c, _):
+            return jnp.tanh(c @ w), None
+
+        return jnp.sum(jax.lax.scan(body, x, None, length=3)[0] ** 2)
+
+    grad8 = jax.jit(jax.vmap(jax.grad(autocast.amp(scanned, compute_dtype="fp8")), (None, 0)))
+    want = jax.vmap(jax.grad(scanned), (None, 0))(w, xs)
+    assert _measure.relative_error(grad8(w, xs), want) < 0.15
+    dots = operand_dtypes(jax.make_jaxpr(grad8)(w, xs), "dot_general")
+    assert dots and all(_is_fp8([np.dtype(d) for d in ds]) for ds in dots)
+    assert any(E5M2 in ds for ds in dots)
+
+
+def test_nonfinite_operands_stay_nonfinite_and_zeros_stay_zero():
+    f = autocast.amp(lambda x, w: x @ w, compute_dtype="fp8")
+    w = jnp.ones((4, 2))
+    # an overflow upstream must reach the loss scaler's check, not be clipped into range
+    for bad in (jnp.inf, jnp.nan):
+        assert not np.all(np.isfinite(f(jnp.ones((3, 4)).at[0, 0].set(bad), w)))
+    np.testing.assert_array_equal(f(jnp.zeros((3, 4)), w), jnp.zeros((3, 2)))
+    g = jax.grad(lambda x: jnp.sum(f(x, w) * 0.0))(jnp.ones((3, 4)))
+    np.testing.assert_array_equal(g, jnp.zeros((3, 4)))
+
+
+def test_a_transformer_keeps_less_for_its_backward_pass_than_in_bfloat16():
+    # the products keep their float8 operands; values an elementwise derivative also needs
+    # stay in bfloat16 beside them, so a lone tanh -> matmul chain saves nothing, but the
+    # GPT's layer norms and attention products do
+    params, tokens = _demo_gpt()
+    f8 = _measure.residual_bytes(autocast.amp(_models.gpt_loss, compute_dtype="fp8"), params, tokens, include_inputs=False)
+    bf = _measure.residual_bytes(autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16), params, tokens, include_inputs=False)
+    assert f8 < 0.9 * bf
+
+
+def test_a_users_policy_keeps_its_own_product_rows_and_fp8_can_go_to_one_scope():
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    full = {**autocast.default_amp_policy, jax.lax.dot_general_p: autocast.use_full_precision}
+    jaxpr = jax.make_jaxpr(autocast.amp(lambda w, x: x @ w, compute_dtype="fp8", amp_policy=full))(w, x)
+    assert operand_dtypes(jaxpr, "dot_general") == [("float32", "float32")]
+
+    def f(w, x):
+        with jax.named_scope("mlp"):
+            x = x @ w
+        return x @ w
+
+    scoped = {**autocast.default_amp_policy, "mlp": autocast.use_fp8_precision}
+    jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=jnp.bfloat16, amp_policy=scoped))(w, x)
+    assert operand_dtypes(jaxpr, "dot_general") == [(E4M3, E4M3), ("bfloat16", "bfloat16")]
+
+
+def test_report_and_diagnose_read_float8_programs():
+    kw, kx = jax.random.split(jax.random.PRNGKey(5))
+    w, x = jax.random.normal(kw, (16, 8)), jax.random.normal(kx, (4, 16))
+
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w / 4) ** 2)
+
+    r = autocast.report(f, compute_dtype="fp8")(w, x)
+    assert r.summary["fp8_flop_share"] == {"forward": 1.0, "backward": 1.0}
+    assert "use_fp8_precision" in {row.rule for row in r.rows}
+    assert "fp8_flop_share" not in autocast.report(f, compute_dtype=jnp.bfloat16)(w, x).summary
+    d = autocast.diagnose(jax.grad(f), compute_dtype="fp8")(w, x)
+    assert d.compute_dtype == jnp.float8_e4m3fn
+    dots = [e for e in d.entries if e.primitive == "dot_general"]
+    # the forward product, and the backward one for w (x's is not asked for)
+    assert [e.backward for e in dots] == [False, True]
+    assert all(e.dtype == jnp.float8_e4m3fn and 0 < e.rel_error < 0.2 for e in dots)
+    assert 0 < d.output_error < 0.2
+
+
+def test_the_recipe_is_a_policy_of_the_default_table():
+    recipe = fp8.recipe_for("fp8")
+    policy = fp8.with_fp8_products(autocast.default_amp_policy, recipe)
+    changed = {k for k in policy if policy[k] is not autocast.default_amp_policy[k]}
+    assert changed == {jax.lax.dot_general_p, jax.lax.conv_general_dilated_p}
+    assert all(policy[k] is autocast.use_fp8_precision for k in changed)
+    assert fp8.recipe_for(jnp.bfloat16) is None and fp8.recipe_for("bf16") is None
