@@ -16,10 +16,13 @@ Sections, each a table (``--only`` picks some):
   communicated per step, loss against float32;
 - ``trace``: ``jit(amp(f)).lower`` over ``jit(f).lower`` on a 12-layer GPT;
 - ``third_party``: amp on custom rules with closures, diffrax, optimistix, lineax, Pallas;
+- ``fp8``: amp with float8 products against amp bfloat16: 8-bit and e5m2 FLOP shares,
+  gradient error, activation memory, loss after training the demo's GPT;
 - ``diagnose``: what ``autocast.diagnose`` costs against amp's first call (trace, compile,
   run) on the demo's GPT as a loss, a gradient, and a jitted gradient of scanned blocks;
 - ``step``: gradient step time and peak memory (``compiled.memory_analysis()``, and the
-  device's own peak where it reports one), float32 vs hand-cast vs amp. Runs by default on a
+  device's own peak where it reports one), float32 vs hand-cast vs amp bfloat16 vs amp float8.
+  Runs by default on a
   GPU only; ``--step-figures`` runs it on any backend, so the GPU path is exercised on CPU.
 
 Prints the tables and writes all figures to ``--json`` (default ``benchmarks/results.json``).
@@ -46,6 +49,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 import diagnose_cost  # noqa: E402
+import fp8_compute  # noqa: E402
 import mixed_precision  # noqa: E402
 import model_families  # noqa: E402
 import third_party  # noqa: E402
@@ -74,7 +78,7 @@ def step_figures(loss_fn: Callable[..., Any], args: Sequence[Any], repeats: int 
     """Per variant: the jitted gradient step's time (ms, best of ``repeats`` after a warm-up),
     its planned peak memory, and the device's measured peak where it reports one (GPUs)."""
     figures = {}
-    for name, fn in mixed_precision.variants(loss_fn).items():
+    for name, fn in mixed_precision.variants(loss_fn, fp8=True).items():
         compiled = jax.jit(jax.grad(fn)).lower(*args).compile()
         jax.block_until_ready(compiled(*args))
         times = []
@@ -175,6 +179,11 @@ def run_third_party(results: dict, options: argparse.Namespace) -> None:
     results["third_party"] = third_party.main()
 
 
+def run_fp8(results: dict, options: argparse.Namespace) -> None:
+    print("== float8 compute: amp fp8 vs amp bfloat16 ==")
+    results["fp8"] = fp8_compute.main()
+
+
 def run_diagnose(results: dict, options: argparse.Namespace) -> None:
     print("== the numerics debugger's cost: autocast.diagnose vs amp's first call, demo GPT ==")
     results["diagnose"] = diagnose_cost.main()
@@ -182,7 +191,8 @@ def run_diagnose(results: dict, options: argparse.Namespace) -> None:
 
 RUNNERS = {
     "jaxpr": run_jaxpr, "families": run_families, "torch": run_torch, "parallel": run_parallel,
-    "trace": run_trace, "third_party": run_third_party, "diagnose": run_diagnose, "step": run_step,
+    "trace": run_trace, "third_party": run_third_party, "fp8": run_fp8, "diagnose": run_diagnose,
+    "step": run_step,
 }
 SECTIONS = tuple(RUNNERS)
 

@@ -78,13 +78,17 @@ def _gpt_loss(scan: bool, remat: bool) -> Callable[..., jax.Array]:
     return loss
 
 
-def variants(loss_fn: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
-    """float32, cast to bfloat16 by hand (the model's ``hand_cast`` argument), amp bfloat16."""
-    return {
+def variants(loss_fn: Callable[..., Any], fp8: bool = False) -> dict[str, Callable[..., Any]]:
+    """float32, cast to bfloat16 by hand (the model's ``hand_cast`` argument), amp bfloat16,
+    and with ``fp8`` amp with float8 products."""
+    out = {
         "float32": loss_fn,
         "hand bf16": lambda *a, f=loss_fn: f(*a, jnp.bfloat16),
         "amp bf16": autocast.amp(loss_fn, compute_dtype=jnp.bfloat16),
     }
+    if fp8:
+        out["amp fp8"] = autocast.amp(loss_fn, compute_dtype="fp8")
+    return out
 
 
 def main(names: Sequence[str] = ()) -> dict[str, dict]:

@@ -20,7 +20,7 @@ def test_step_figures_run_on_this_backend_with_the_flag(tmp_path):
     assert json.loads(out.read_text())["step"] == results["step"]
     assert set(results["step"]) == {"MLP", "GPT small"}
     for figures in results["step"].values():
-        assert set(figures) == {"float32", "hand bf16", "amp bf16"}
+        assert set(figures) == {"float32", "hand bf16", "amp bf16", "amp fp8"}
         for r in figures.values():
             assert r["step_ms"] > 0 and r["planned_peak_bytes"] > 0
 

@@ -13,11 +13,13 @@ def test_demo_runs_and_writes_table_plot_and_figures(tmp_path, capsys):
     results = demo.run(steps=12, out=tmp_path)
     printed = capsys.readouterr().out
     assert "amp float16 + scaling" in printed and "final loss" in printed
-    assert set(results) == {"float32", "amp bfloat16", "amp float16 + scaling"}
+    assert set(results) == {"float32", "amp bfloat16", "amp float16 + scaling", "amp float8"}
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["amp bfloat16"]["low_precision_flop_share"] >= 0.99
     assert saved["float32"]["low_precision_flop_share"] == 0.0
+    assert saved["amp float8"]["fp8_flop_share"] >= 0.99 and saved["amp bfloat16"]["fp8_flop_share"] == 0.0
+    assert "amp float8" in printed and "8-bit FLOPs" in printed
     assert len(saved["amp float16 + scaling"]["scales"]) == 12
     assert results["amp bfloat16"]["activation_bytes"] < results["float32"]["activation_bytes"]
 

@@ -1,6 +1,7 @@
-"""The main job: train a small GPT-style language model three ways and compare them.
+"""The main job: train a small GPT-style language model four ways and compare them.
 
-float32, amp with bfloat16 and amp with float16 plus dynamic loss scaling, on text the
+float32, amp with bfloat16, amp with float16 plus dynamic loss scaling, and amp with float8
+matrix products (per-tensor scaling, SPEC 8), on text the
 package generates itself (sums such as ``"17+25=42;"``; nothing is downloaded). Prints a
 progress bar per run, then a table, and writes a plot and the figures to ``--out``.
 """
@@ -85,7 +86,7 @@ def _make_step(loss_fn: Callable[..., Any], optimizer: Any, scaled: bool) -> Cal
 
 
 def run(steps: int = 600, out: str | Path = "autocast-demo", *, seed: int = 0, quiet: bool = False) -> dict:
-    """Trains the three ways, prints the table, writes ``demo.png`` and ``demo.json``."""
+    """Trains the four ways, prints the table, writes ``demo.png`` and ``demo.json``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(vocab=len(ALPHABET), d=64, layers=2, seq=32)
@@ -96,10 +97,11 @@ def run(steps: int = 600, out: str | Path = "autocast-demo", *, seed: int = 0, q
         "float32": (_models.gpt_loss, False),
         "amp bfloat16": (autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16), False),
         "amp float16 + scaling": (autocast.amp(_models.gpt_loss, compute_dtype=jnp.float16), True),
+        "amp float8": (autocast.amp(_models.gpt_loss, compute_dtype="fp8"), False),
     }
     results: dict[str, dict] = {}
     probe = next(batches(text, batch=16, seq=config["seq"], seed=seed))
-    # Judged on sums none of the runs trained on, in float32 for all three: one run's last
+    # Judged on sums none of the runs trained on, in float32 for all four: one run's last
     # training batches are as much luck as skill, a fixed held-out set is not.
     held_out_text = corpus(n_sums=1000, seed=seed + 1)
     held_out_data = batches(held_out_text, batch=64, seq=config["seq"], seed=seed + 1)
@@ -132,6 +134,7 @@ def run(steps: int = 600, out: str | Path = "autocast-demo", *, seed: int = 0, q
             "step_ms": 1e3 * statistics.median(times[1:]) if len(times) > 1 else 1e3 * times[0],
             "activation_bytes": _measure.residual_bytes(loss_fn, params0, probe),
             "low_precision_flop_share": _measure.low_precision_flop_share(grad_jaxpr),
+            "fp8_flop_share": _measure.low_precision_flop_share(grad_jaxpr, bits=8),
             "skipped_steps": int(scaler.total_resets) if scaled else 0,
             "scale_changes": int(np.count_nonzero(np.diff(scales))) if scaled else 0,
             "losses": losses,
@@ -151,13 +154,14 @@ def format_table(results: dict[str, dict]) -> str:
     model's float32 loss on held-out sums (8 batches of 64 windows of a text no run saw)."""
     ref = results["float32"]["final_loss"]
     head = f"{'run':24} {'final loss':>10} {'vs f32':>7} {'step ms':>8} {'act. MB':>8} " \
-           f"{'16-bit FLOPs':>12} {'skipped':>7} {'scale changes':>13}"
+           f"{'16-bit FLOPs':>12} {'8-bit FLOPs':>11} {'skipped':>7} {'scale changes':>13}"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         lines.append(
             f"{name:24} {r['final_loss']:10.4f} {r['final_loss'] / ref - 1:+7.2%} "
             f"{r['step_ms']:8.2f} {r['activation_bytes'] / 2**20:8.2f} "
-            f"{r['low_precision_flop_share']:12.1%} {r['skipped_steps']:7d} {r['scale_changes']:13d}"
+            f"{r['low_precision_flop_share']:12.1%} {r['fp8_flop_share']:11.1%} "
+            f"{r['skipped_steps']:7d} {r['scale_changes']:13d}"
         )
     return "\n".join(lines)
 
