@@ -259,3 +259,45 @@ def test_the_recipe_is_a_policy_of_the_default_table():
     assert changed == {jax.lax.dot_general_p, jax.lax.conv_general_dilated_p}
     assert all(policy[k] is autocast.use_fp8_precision for k in changed)
     assert fp8.recipe_for(jnp.bfloat16) is None and fp8.recipe_for("bf16") is None
+
+
+def test_second_derivatives_are_refused_not_rounded():
+    kx, kw = jax.random.split(jax.random.PRNGKey(6))
+    x, w = jax.random.normal(kx, (3, 4)), jax.random.normal(kw, (4, 2))
+    f = autocast.amp(lambda w: jnp.sum(jnp.tanh(x @ w)), compute_dtype="fp8")
+    for second in (jax.hessian(f), jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))):
+        with pytest.raises(TypeError, match="first derivatives only"):
+            second(w)
+    # forward mode: JAX's own refusal of a custom derivative
+    with pytest.raises(TypeError):
+        jax.jvp(f, (w,), (jnp.ones_like(w),))
+
+
+def test_extreme_but_finite_operands_and_empty_ones():
+    f = jax.jit(autocast.amp(lambda x, w: x @ w, compute_dtype="fp8"))
+    # an amax so small its scale would be subnormal: zeros stay zeros, not 0/0
+    tiny = jnp.array([[1e-36, 0.0, 1e-36, 1e-36]])
+    out = f(tiny, jnp.ones((4, 2)))
+    np.testing.assert_allclose(out, 3e-36 * jnp.ones((1, 2)), rtol=0.1)
+    # two scales whose product leaves float32's range, on a product that is exactly zero
+    np.testing.assert_array_equal(f(jnp.array([[1e22, 0.0]]), jnp.array([[0.0], [1e22]])), [[0.0]])
+    # small times small, where the product of the scales alone would flush to zero
+    np.testing.assert_allclose(f(jnp.full((1, 4), 1e-18), jnp.full((4, 1), 1e-18)), [[4e-36]], rtol=0.1)
+    assert f(jnp.ones((0, 4)), jnp.ones((4, 2))).shape == (0, 2)
+    g = jax.grad(lambda x: jnp.sum(f(x, jnp.ones((4, 2)))))(jnp.ones((0, 4)))
+    assert g.shape == (0, 4)
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="explicit sharding needs jax.set_mesh (JAX 0.7+)")
+def test_gradients_keep_the_operands_explicit_sharding():
+    from jax.sharding import AxisType, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    f = autocast.amp(lambda w, x: jnp.sum(jnp.sin(x @ w)), compute_dtype="fp8")
+    w = jnp.ones((4, 2)) / 4
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((4, 4)), PartitionSpec("x", None))
+        gw, gx = jax.jit(jax.grad(f, (0, 1)))(w, x)
+        assert jax.typeof(gx).sharding.spec == jax.typeof(x).sharding.spec
+    want = jax.grad(lambda w, x: jnp.sum(jnp.sin(x @ w)), (0, 1))(w, jnp.ones((4, 4)))
+    assert _measure.relative_error((gw, gx), want) < 0.1

@@ -206,6 +206,16 @@ def aval_of(x: Any) -> Any:
     return jax.typeof(x)
 
 
+def abstract_like(x: Any, dtype: Any) -> Any:
+    """A ``jax.ShapeDtypeStruct`` of ``x``'s shape in ``dtype``, with the sharding ``x``'s type
+    carries under a mesh of explicit axes (``jax.set_mesh``); without one, none."""
+    aval = aval_of(x)
+    sharding = getattr(aval, "sharding", None)
+    if not getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+        return jax.ShapeDtypeStruct(aval.shape, dtype)
+    return jax.ShapeDtypeStruct(aval.shape, dtype, sharding=sharding)
+
+
 # Primitives whose parameters hold a scalar computation typed for their operand (the combiner
 # of a scatter). They are first-order for amp's purposes, but moving their operands to another
 # dtype means re-typing that computation, or lowering fails.

@@ -95,12 +95,17 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
     return Recipe(dtype, gradient)
 
 
+_TINY = float(jnp.finfo(_F32).tiny)
+
+
 def _scale(x: Any, fmt: np.dtype) -> Any:
-    """Per-tensor current scale of ``x`` for ``fmt``: ``amax / fmt.max`` in float32, 1 for an
-    all-zero tensor. A non-finite amax gives a non-finite scale on purpose: an overflow in
-    the step must reach the loss scaler's check, not be clipped into range."""
-    amax = jnp.max(jnp.abs(x)).astype(_F32)
-    return jnp.where(amax > 0, amax / float(jnp.finfo(fmt).max), jnp.ones((), _F32))
+    """Per-tensor current scale of ``x`` for ``fmt``: ``amax / fmt.max`` in float32, never
+    below float32's smallest normal number (a subnormal scale would flush to zero and divide
+    zeros into NaN). An empty tensor's amax is 0. A non-finite amax gives a non-finite scale
+    on purpose: an overflow in the step must reach the loss scaler's check, not be clipped
+    into range."""
+    amax = jnp.max(jnp.abs(x), initial=0).astype(_F32)
+    return jnp.maximum(amax / float(jnp.finfo(fmt).max), _TINY)
 
 
 def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
@@ -128,15 +133,13 @@ def _frozen(params: Mapping[str, Any]) -> tuple:
     return tuple(sorted(params.items()))
 
 
-@functools.lru_cache(maxsize=512)
-def _transposed(prim: Any, frozen: tuple, a_shape: tuple, b_shape: tuple, which: int) -> Any:
-    """The closed jaxpr of the product's transpose in operand ``which``, traced in float32:
+def _transposed(prim: Any, frozen: tuple, a: Any, b: Any, which: int) -> Any:
+    """The closed jaxpr of the product's transpose in operand ``which``, traced in float32
+    on the abstract operands ``a`` and ``b`` (shape and, under an explicit mesh, sharding):
     ``(g, other) -> gradient of operand which``. JAX's own transposition rule writes it, so
     every dimension layout, dilation and feature grouping is covered; it is then evaluated on
     float8 values (:func:`_evaluate`)."""
     params = dict(frozen)
-    a = jax.ShapeDtypeStruct(a_shape, _F32)
-    b = jax.ShapeDtypeStruct(b_shape, _F32)
     out = jax.eval_shape(lambda a, b: prim.bind(a, b, **params), a, b)
     if which == 0:
         return jax.make_jaxpr(
@@ -145,6 +148,34 @@ def _transposed(prim: Any, frozen: tuple, a_shape: tuple, b_shape: tuple, which:
     return jax.make_jaxpr(
         lambda a, g: jax.linear_transpose(lambda b: prim.bind(a, b, **params), b)(g)[0]
     )(a, out)
+
+
+_cached_transposed = functools.lru_cache(maxsize=512)(_transposed)
+
+
+def _memo(cached: Callable[..., Any], build: Callable[..., Any], *key: Any) -> Any:
+    """``cached(*key)``, or ``build(*key)`` when a parameter in ``key`` cannot be hashed."""
+    try:
+        return cached(*key)
+    except TypeError:
+        return build(*key)
+
+
+@jax.custom_jvp
+def _first_derivative_only(values: tuple) -> tuple:
+    """The identity on the backward pass's inputs, refusing to be differentiated: through
+    the float8 residuals, a second derivative would be rounded to float8 without a scale."""
+    return values
+
+
+@_first_derivative_only.defjvp
+def _refuse(primals: tuple, tangents: tuple) -> tuple:
+    raise TypeError(
+        "autocast's float8 products have first derivatives only (jax.grad, jax.vjp); a "
+        "second derivative (jax.hessian, grad of grad, a Hessian-vector product) would pass "
+        "through float8 values without a scale. Use compute_dtype=jnp.bfloat16 for it, or "
+        "keep the products concerned out of float8 with a named scope in amp_policy"
+    )
 
 
 def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any) -> Any:
@@ -179,16 +210,18 @@ def _product(
 
     def forward(a: Any, b: Any) -> tuple[Any, Any]:
         (qa, sa), (qb, sb) = quantise(a, recipe.forward), quantise(b, recipe.forward)
-        out = prim.bind(qa, qb, **params) * (sa * sb)
+        # one scale at a time: their product alone may leave float32's range
+        out = prim.bind(qa, qb, **params) * sa * sb
         return out.astype(out_dtype), (qa, sa, qb, sb)
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
-        qa, sa, qb, sb = residuals
+        (qa, sa, qb, sb), g = _first_derivative_only((residuals, g))
         qg, sg = quantise(g, recipe.gradient)
-        to_a = _transposed(prim, wide, qa.shape, qb.shape, 0)
-        to_b = _transposed(prim, wide, qa.shape, qb.shape, 1)
-        da = _evaluate(to_a, [qg, qb], recipe.gradient) * (sg * sb)
-        db = _evaluate(to_b, [qa, qg], recipe.gradient) * (sa * sg)
+        a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
+        to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
+        to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
+        da = _evaluate(to_a, [qg, qb], recipe.gradient) * sg * sb
+        db = _evaluate(to_b, [qa, qg], recipe.gradient) * sa * sg
         return da.astype(dtypes[0]), db.astype(dtypes[1])
 
     product = jax.custom_vjp(lambda a, b: forward(a, b)[0])
@@ -213,11 +246,7 @@ def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict], Any]:
         if out_dtype is None:  # a convolution's default: its operands' dtype
             out_dtype = jnp.result_type(a, b)
         key = (eqn.primitive, _frozen(params), recipe, (a.dtype, b.dtype), np.dtype(out_dtype))
-        try:
-            product = _cached_product(*key)
-        except TypeError:  # a parameter that cannot be hashed: built for this equation only
-            product = _product(*key)
-        return product(a, b)
+        return _memo(_cached_product, _product, *key)(a, b)
 
     return bind
 
