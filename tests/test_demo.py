@@ -33,10 +33,19 @@ def test_corpus_is_generated_and_learnable_text():
     assert int(a) + int(b) == int(c)
 
 
-def test_command_line(tmp_path):
+def test_command_line():
+    # the entry point; the training itself is the first test, its arguments the next one
     done = subprocess.run(
-        [sys.executable, "-m", "autocast", "demo", "--steps", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "autocast", "demo", "--help"], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "demo.txt").read_text().startswith("run")
+    assert "--steps" in done.stdout and "--out" in done.stdout
+
+
+def test_command_line_passes_steps_and_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo, "run", lambda steps, out: print(f"run steps={steps} out={out}"))
+    from autocast import __main__
+
+    __main__.main(["demo", "--steps", "3", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert f"run steps=3 out={tmp_path}" in printed and f"written to {tmp_path}/" in printed

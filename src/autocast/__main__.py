@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("policy", help="print the default policy table as Markdown").set_defaults(
         run=_policy
     )
-    demo = commands.add_parser("demo", help="train a small GPT three ways and compare them")
+    demo = commands.add_parser("demo", help="train a small GPT four ways and compare them")
     demo.add_argument("--steps", type=int, default=600, help="training steps per run")
     demo.add_argument("--out", default="autocast-demo", help="folder for the plot and figures")
     demo.set_defaults(run=_demo)
