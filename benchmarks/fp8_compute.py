@@ -40,10 +40,6 @@ import model_families  # noqa: E402
 TRAIN_STEPS = 150
 
 
-def _all_8bit(dtypes: list[Any]) -> bool:
-    return all(d.itemsize == 1 for d in dtypes)
-
-
 def _has_e5m2(dtypes: list[Any]) -> bool:
     return any(d == jnp.float8_e5m2 for d in dtypes)
 
@@ -52,11 +48,9 @@ def shares(fn: Callable[..., Any], args: tuple) -> dict[str, float]:
     """8-bit FLOP shares forward and backward, and the backward's share with an e5m2 operand."""
     fwd = jax.make_jaxpr(fn)(*args)
     both = jax.make_jaxpr(jax.value_and_grad(fn))(*args)
-    f8_fwd, total_fwd = _measure.flop_counts_where(fwd, _all_8bit)
-    f8_all, total_all = _measure.flop_counts_where(both, _all_8bit)
-    e5m2, _ = _measure.flop_counts_where(both, _has_e5m2)
-    back = total_all - total_fwd
-    return {"fp8_fwd": f8_fwd / total_fwd, "fp8_bwd": (f8_all - f8_fwd) / back, "e5m2_bwd": e5m2 / back}
+    fp8 = _measure.flop_shares(fwd, both, _measure.at_most_bits(8))
+    e5m2 = _measure.flop_shares(fwd, both, _has_e5m2)
+    return {"fp8_fwd": fp8["forward"], "fp8_bwd": fp8["backward"], "e5m2_bwd": e5m2["backward"]}
 
 
 def _models_to_measure() -> list[tuple[str, Callable[..., Any], tuple]]:

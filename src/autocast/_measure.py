@@ -62,7 +62,25 @@ def flop_counts_where(jaxpr: Any, which: Callable[[list[Any]], bool]) -> tuple[i
 
 def matmul_flop_counts(jaxpr: Any, bits: int = 16) -> tuple[int, int]:
     """``(low, total)``: matmul/conv FLOPs whose operands have at most ``bits`` bits, and all."""
-    return flop_counts_where(jaxpr, lambda dtypes: all(d.itemsize * 8 <= bits for d in dtypes))
+    return flop_counts_where(jaxpr, at_most_bits(bits))
+
+
+def at_most_bits(bits: int) -> Callable[[list[Any]], bool]:
+    """The operand test of :func:`matmul_flop_counts`: every operand has at most ``bits`` bits."""
+    return lambda dtypes: all(d.itemsize * 8 <= bits for d in dtypes)
+
+
+def flop_shares(forward: Any, both: Any | None, which: Callable[[list[Any]], bool]) -> dict[str, Any]:
+    """``{"forward": ..., "backward": ...}``: the share of matmul/conv FLOPs for whose operand
+    dtypes ``which`` holds, in the jaxpr ``forward`` and in what the jaxpr ``both`` (forward
+    and backward pass) adds to it; None where there are no such FLOPs or no ``both``."""
+    chosen, total = flop_counts_where(forward, which)
+    shares: dict[str, Any] = {"forward": chosen / total if total else None, "backward": None}
+    if both is not None:
+        chosen_all, total_all = flop_counts_where(both, which)
+        back = total_all - total
+        shares["backward"] = (chosen_all - chosen) / back if back else None
+    return shares
 
 
 def low_precision_flop_share(jaxpr: Any, bits: int = 16) -> float:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
+from autocast.policy import canonicalize_float_dtype
 from autocast.rules import (
     CUSTOM_BINDINGS,
     PolicyKey,
@@ -66,7 +67,9 @@ class Recipe:
     gradient: np.dtype
 
 
-DEFAULT_RECIPE = Recipe(np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+# One recipe per forward format.
+RECIPES: dict[np.dtype, Recipe] = {f: Recipe(f, g) for f, g in GRADIENT_FORMAT.items()}
+DEFAULT_RECIPE = RECIPES[np.dtype(jnp.float8_e4m3fn)]
 
 
 def recipe_for(compute_dtype: Any) -> Recipe | None:
@@ -74,38 +77,34 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
 
     ``"fp8"``, ``"float8"`` and ``float8_e4m3fn`` give e4m3 forward and e5m2 gradients;
     ``float8_e5m2`` gives e5m2 for both; the ``fnuz`` variants likewise with their own pair.
+    Anything that is no floating dtype at all is refused as ``amp`` refuses it.
     """
-    if isinstance(compute_dtype, str):
-        if compute_dtype.strip().lower() in _NAMES:
-            return DEFAULT_RECIPE
-        if "float8" not in compute_dtype.lower():
-            return None
-    try:
-        dtype = np.dtype(jnp.dtype(compute_dtype))
-    except TypeError:
-        return None  # not a dtype at all: amp's own check says what it accepts
-    if dtype.itemsize != 1 or not jnp.issubdtype(dtype, jnp.floating):
+    if isinstance(compute_dtype, str) and compute_dtype.strip().lower() in _NAMES:
+        return DEFAULT_RECIPE
+    dtype = canonicalize_float_dtype(compute_dtype, what="compute_dtype")
+    if dtype.itemsize != 1:
         return None
-    gradient = GRADIENT_FORMAT.get(dtype)
-    if gradient is None:
+    recipe = RECIPES.get(dtype)
+    if recipe is None:
         raise ValueError(
             f"compute_dtype {dtype.name} has no float8 recipe (its range or encoding suits no "
-            f"GPU's FP8 products); accepted 8-bit compute dtypes: {ACCEPTED}"
+            "GPU's FP8 products)"
         )
-    return Recipe(dtype, gradient)
+    return recipe
 
 
 _TINY = float(jnp.finfo(_F32).tiny)
 
 
-def _scale(x: Any, fmt: np.dtype) -> Any:
-    """Per-tensor current scale of ``x`` for ``fmt``: ``amax / fmt.max`` in float32, never
+def _scale(x: Any, top: float) -> Any:
+    """Per-tensor current scale of ``x`` for a format whose largest value is ``top``:
+    ``amax / top`` in float32, never
     below float32's smallest normal number (a subnormal scale would flush to zero and divide
     zeros into NaN). An empty tensor's amax is 0. A non-finite amax gives a non-finite scale
     on purpose: an overflow in the step must reach the loss scaler's check, not be clipped
     into range."""
     amax = jnp.max(jnp.abs(x), initial=0).astype(_F32)
-    return jnp.maximum(amax / float(jnp.finfo(fmt).max), _TINY)
+    return jnp.maximum(amax / top, _TINY)
 
 
 def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
@@ -120,7 +119,7 @@ def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
     """
     fmt = np.dtype(fmt)
     top = float(jnp.finfo(fmt).max)
-    s = _scale(x, fmt)
+    s = _scale(x, top)
     return jnp.clip(x.astype(_F32) / s, -top, top).astype(fmt), s
 
 
@@ -251,19 +250,6 @@ def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict], Any]:
     return bind
 
 
-def _rule(recipe: Recipe) -> PrecisionFn:
-    def rule(
-        compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
-    ) -> tuple[Sequence[Any], dict[str, Any]]:
-        return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
-
-    suffix = "" if recipe == DEFAULT_RECIPE else f"({recipe.forward.name})"
-    rule.__name__ = rule.__qualname__ = f"use_fp8_precision{suffix}"
-    rule.__doc__ = use_fp8_precision.__doc__
-    CUSTOM_BINDINGS[rule] = _binding(recipe)
-    return rule
-
-
 def use_fp8_precision(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -286,26 +272,33 @@ def use_fp8_precision(
     >>> r.summary["fp8_flop_share"]
     {'forward': 0.5, 'backward': 0.5}
     """
+    # The casts are the compute dtype's; the float8 product is the binding registered below.
     return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
 
 
-CUSTOM_BINDINGS[use_fp8_precision] = _binding(DEFAULT_RECIPE)
-_RULES: dict[Recipe, PrecisionFn] = {DEFAULT_RECIPE: use_fp8_precision}
+def _another_rule(recipe: Recipe) -> PrecisionFn:
+    """:func:`use_fp8_precision` under another name: bindings are found by the rule."""
 
+    @functools.wraps(use_fp8_precision)
+    def rule(*args: Any, **kwargs: Any) -> tuple[Sequence[Any], dict[str, Any]]:
+        return use_fp8_precision(*args, **kwargs)
 
-def rule_for(recipe: Recipe) -> PrecisionFn:
-    """The precision function of ``recipe`` (:func:`use_fp8_precision` for the default)."""
-    rule = _RULES.get(recipe)
-    if rule is None:
-        rule = _RULES[recipe] = _rule(recipe)
+    rule.__name__ = rule.__qualname__ = f"use_fp8_precision({recipe.forward.name})"
     return rule
+
+
+# The precision function of each recipe, each with its binding.
+_RULES: dict[Recipe, PrecisionFn] = {
+    r: use_fp8_precision if r == DEFAULT_RECIPE else _another_rule(r) for r in RECIPES.values()
+}
+CUSTOM_BINDINGS.update({rule: _binding(recipe) for recipe, rule in _RULES.items()})
 
 
 def with_fp8_products(policy: Mapping[PolicyKey, PrecisionFn], recipe: Recipe) -> dict[PolicyKey, PrecisionFn]:
     """``policy`` with each matrix-product primitive it runs in the compute dtype run by
     ``recipe`` instead. Rows that say something else (a user's float32 ``dot_general``) and
     named scopes are kept as they are."""
-    fp8_rule = rule_for(recipe)
+    fp8_rule = _RULES[recipe]
     changed = dict(policy)
     for name in PRODUCTS:
         prim = _compat.primitive_by_name(name)

@@ -167,28 +167,19 @@ def report(
         for eqn in _measure.float_casts(amp_jaxpr):
             casts[(eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, _where(eqn))] += 1
 
-        low, total = _measure.matmul_flop_counts(amp_jaxpr)
-        share: dict[str, Any] = {"forward": low / total if total else None}
-        summary: dict[str, Any] = {"low_precision_flop_share": share}
-        fp8, _ = _measure.matmul_flop_counts(amp_jaxpr, bits=8)
-        fp8_share: dict[str, Any] | None = None
-        if fp8 or amp_fn.fp8_recipe is not None:
-            fp8_share = summary["fp8_flop_share"] = {"forward": fp8 / total if total else None}
-        summary["casts"] = _measure.count_casts(amp_jaxpr) - _measure.count_casts(original)
         try:
             both = jax.make_jaxpr(_pullback(amp_fn))(*args, **kwargs)
         except (TypeError, ValueError):  # not differentiable (integer inputs, ...)
-            share["backward"] = None
-            if fp8_share is not None:
-                fp8_share["backward"] = None
-            summary["residual_bytes"] = summary["residual_bytes_original"] = None
-        else:
-            low_all, total_all = _measure.matmul_flop_counts(both)
-            back_total = total_all - total
-            share["backward"] = (low_all - low) / back_total if back_total else None
-            if fp8_share is not None:
-                fp8_all, _ = _measure.matmul_flop_counts(both, bits=8)
-                fp8_share["backward"] = (fp8_all - fp8) / back_total if back_total else None
+            both = None
+        summary: dict[str, Any] = {
+            "low_precision_flop_share": _measure.flop_shares(amp_jaxpr, both, _measure.at_most_bits(16))
+        }
+        fp8_share = _measure.flop_shares(amp_jaxpr, both, _measure.at_most_bits(8))
+        if fp8_share["forward"] or amp_fn.fp8_recipe is not None:
+            summary["fp8_flop_share"] = fp8_share
+        summary["casts"] = _measure.count_casts(amp_jaxpr) - _measure.count_casts(original)
+        summary["residual_bytes"] = summary["residual_bytes_original"] = None
+        if both is not None:
             summary["residual_bytes"] = _residual_bytes(amp_fn, args, kwargs)
             summary["residual_bytes_original"] = _residual_bytes(fn, args, kwargs)
 

@@ -135,18 +135,18 @@ class _Amp:
     def __init__(self, fn: Callable[..., Any], compute_dtype: Any, amp_policy: Any) -> None:
         self._fn = fn
         policy = default_amp_policy if amp_policy is None else _check_policy(amp_policy)
+        try:
+            self.fp8_recipe = None if compute_dtype is None else fp8.recipe_for(compute_dtype)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{e}; accepted for float8 matrix products: {fp8.ACCEPTED}") from None
         # A float8 compute dtype is a recipe (SPEC 8): scaled float8 matrix products, and
         # bfloat16 for everything else.
-        self.fp8_recipe = None if compute_dtype is None else fp8.recipe_for(compute_dtype)
         if self.fp8_recipe is not None:
             compute_dtype = fp8.CARRIER
             policy = fp8.with_fp8_products(policy, self.fp8_recipe)
-        try:
-            self._compute_dtype = (
-                None if compute_dtype is None else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
-            )
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{e}; for float8 matrix products: {fp8.ACCEPTED}") from None
+        self._compute_dtype = (
+            None if compute_dtype is None else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
+        )
         self._policy = policy
         self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
         self._traces: collections.OrderedDict = collections.OrderedDict()
