@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +32,34 @@ def load_script(path: Path) -> Any:
     sys.modules[spec.name] = module  # dataclasses (Linen modules) look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def require(module: str) -> Any:
+    """``module`` imported, or the test skipped with the reason. A package that does not
+    support the installed JAX can fail at import with other errors than ImportError (Haiku
+    0.0.16 on JAX 0.11 reads ``jax.core.DropVar``, which 0.11 removed)."""
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure at import means "not usable here"
+        pytest.skip(
+            f"{module} does not import with JAX {jax.__version__}: {type(e).__name__}: {e}",
+            allow_module_level=True,
+        )
+
+
+def program_text(fn: Callable[..., Any], *args: Any) -> str:
+    """The StableHLO ``jax.jit(fn)`` compiles for ``args``, without source locations and the
+    module's name: two functions with equal texts run the same program on any backend."""
+    text = jax.jit(fn).lower(*args).as_text()
+    text = re.sub(r"loc\(.*?\)", "", text)
+    text = re.sub(r"#loc\d*( = .*)?", "", text)
+    return re.sub(r"module @\S+", "module", text)
+
+
+# XLA evaluates a program deterministically on the CPU. A GPU's scatter-adds (an embedding's
+# gradient) use atomics whose order varies from run to run, so there the same program gives
+# values equal to float32 rounding, not bit for bit.
+DETERMINISTIC = jax.default_backend() == "cpu"
 
 
 def jaxpr_of(fn: Callable[..., Any], *args: Any) -> Any:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from conftest import eqns_named, jaxpr_of, load_script, operand_dtypes
+from conftest import eqns_named, jaxpr_of, load_script, operand_dtypes, require
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -42,6 +42,7 @@ def test_float16_training_example_learns_like_float32():
 
 
 def test_flax_nnx_example_updates_batchnorm_and_dropout_state_under_amp():
+    require("flax.nnx")
     example = _load("flax_nnx")
     results = example.train(steps=25)
     _learns_like_float32(results["float32"]["losses"], results["amp"]["losses"])
@@ -53,6 +54,7 @@ def test_flax_nnx_example_updates_batchnorm_and_dropout_state_under_amp():
 
 def test_flax_nnx_mutating_loss_under_amp_loses_its_writes_as_documented():
     """The pitfall the example's docstring describes: what happens without the pattern."""
+    require("flax.nnx")
     from flax import errors, nnx
 
     import autocast
@@ -101,6 +103,7 @@ def test_equinox_diffrax_example_trains_a_neural_ode_like_float32():
 
 
 def test_haiku_example_threads_batchnorm_state_through_amp():
+    require("haiku")
     example = _load("haiku_cnn")
     results = example.train(steps=25)
     _learns_like_float32(results["float32"]["losses"], results["amp"]["losses"])
@@ -113,7 +116,7 @@ def test_haiku_example_threads_batchnorm_state_through_amp():
 
 
 def test_jmp_migration_example_trains_alike_all_ways():
-    pytest.importorskip("jmp")
+    require("jmp")
     results = _load("jmp_migration").train(steps=80)
     assert set(results) == {"float32", "jmp", "import autocast as jmp", "autocast.amp"}
     f32 = results["float32"]["losses"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import autocast
-from conftest import jaxpr_of, operand_dtypes
+from conftest import jaxpr_of, operand_dtypes, require
 
 BF16 = jnp.bfloat16
 
@@ -32,7 +32,7 @@ def test_flax_dense_bias_follows_the_activation():
     # Flax adds its bias as y + b.reshape(1, n): broadcast by the add itself, not by a
     # broadcast_in_dim, it must still follow the 16-bit activation, so a stack of Dense
     # layers stays 16-bit between its matmuls.
-    nn = pytest.importorskip("flax.linen")
+    nn = require("flax.linen")
     model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(16), nn.relu, nn.Dense(4)])
     x = jnp.ones((8, 8))
     params = model.init(jax.random.key(0), x)
@@ -43,7 +43,7 @@ def test_flax_dense_bias_follows_the_activation():
 
 
 def test_flax_linen_transformer_block():
-    nn = pytest.importorskip("flax.linen")
+    nn = require("flax.linen")
 
     class Block(nn.Module):
         @nn.compact
@@ -72,7 +72,7 @@ def test_flax_linen_transformer_block():
 
 
 def test_equinox_mlp_with_static_fields_and_filtered_scaling():
-    eqx = pytest.importorskip("equinox")
+    eqx = require("equinox")
     model = eqx.nn.MLP(8, 4, 16, 2, activation=jax.nn.relu, key=jax.random.PRNGKey(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 8))
 
@@ -89,7 +89,7 @@ def test_equinox_mlp_with_static_fields_and_filtered_scaling():
 
 
 def test_haiku_conv_net():
-    hk = pytest.importorskip("haiku")
+    hk = require("haiku")
 
     def forward(x):
         x = hk.Conv2D(8, 3)(x)

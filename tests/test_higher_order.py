@@ -16,7 +16,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import autocast
-from autocast import _measure, _models
+from autocast import _compat, _measure, _models
 from conftest import eqns_named, jaxpr_of, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -110,7 +110,7 @@ def test_a_weak_stream_entering_a_scan_takes_its_unrolled_dtype():
     fn = lambda p, t: _models.gpt_loss(p, t, scan=True)  # noqa: E731
     jaxpr = jaxpr_of(bf16_amp(fn), params, tokens)
     (scan,) = eqns_named(jaxpr, "scan")
-    n_consts, n_carry = scan.params["num_consts"], scan.params["num_carry"]
+    n_consts, n_carry = _compat.scan_layout(scan)
     carry = scan.params["jaxpr"].jaxpr.invars[n_consts : n_consts + n_carry]
     assert [v.aval.dtype for v in carry] == [jnp.dtype(BF16)]  # the residual stream
 
@@ -258,7 +258,10 @@ def test_an_unknown_higher_order_primitive_is_refused_by_name():
     my_call = Primitive("my_call")
     my_call.def_impl(lambda x, *, body: jax.core.eval_jaxpr(body, (), x)[0])
     my_call.def_abstract_eval(lambda x, *, body: body.outvars[0].aval)
-    body = jax.make_jaxpr(lambda x: x @ W)(X).jaxpr
+    body = _compat.constants_unbound(jax.make_jaxpr(lambda x: x @ W)(X))
+    if body is None:
+        pytest.skip(f"JAX {jax.__version__} has no jaxprs with unbound constants")
+    assert body.constvars  # W is a constant whose value the primitive keeps elsewhere
     fn = lambda x: my_call.bind(x, body=body)  # noqa: E731
     with pytest.raises(NotImplementedError, match="'my_call'.*parameter\\(s\\) body.*amp_stop"):
         jaxpr_of(bf16_amp(fn), X)

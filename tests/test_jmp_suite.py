@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 
 import autocast
+from conftest import require
 
-pytest.importorskip("absl.testing.parameterized")
+require("absl.testing.parameterized")
 
 # The one line of each jmp test file that binds the name ``jmp``; it is replaced, nothing else.
 SUITES = {

@@ -8,6 +8,7 @@ import pytest
 
 import autocast
 from autocast import _models
+from conftest import require
 
 
 def _gpt(**kw):
@@ -86,7 +87,7 @@ def _check_dropout_report(r):
 
 
 def test_report_on_a_flax_linen_model_with_dropout():
-    nn = pytest.importorskip("flax.linen")
+    nn = require("flax.linen")
 
     class Model(nn.Module):
         @nn.compact
@@ -105,7 +106,7 @@ def test_report_on_a_flax_linen_model_with_dropout():
 
 
 def test_report_on_a_flax_nnx_model_with_dropout():
-    nnx = pytest.importorskip("flax.nnx")
+    nnx = require("flax.nnx")
 
     class Model(nnx.Module):
         def __init__(self, rngs):

@@ -17,10 +17,10 @@ import pytest
 
 import autocast
 from autocast import _measure
-from conftest import eqns_named, operand_dtypes
+from conftest import eqns_named, operand_dtypes, require
 
-hk = pytest.importorskip("haiku")
-optax = pytest.importorskip("optax")
+hk = require("haiku")
+optax = require("optax")
 
 BATCH, SIZE, CLASSES, STEPS, LEARNING_RATE = 8, 32, 10, 30, 1e-4
 

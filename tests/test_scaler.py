@@ -26,7 +26,7 @@ from jax import lax
 
 import autocast
 from autocast import _measure, _models
-from conftest import eqns_named
+from conftest import eqns_named, require
 
 FIELDS = ("patience", "adjust_factor", "scaler", "count", "total_resets")
 FIELD_DTYPES = {
@@ -747,7 +747,7 @@ def test_round_trip_flax_into_default_target():
 
 
 def test_round_trip_orbax(tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint")
+    ocp = require("orbax.checkpoint")
     s = _sample_state()
     tree = {"params": jnp.arange(3.0), "scaler": s}
     target = {"params": jnp.zeros(3), "scaler": autocast.DynamicScalerState()}

@@ -15,6 +15,7 @@ import pytest
 
 import autocast
 from autocast import _measure
+from conftest import require
 
 BF16 = jnp.bfloat16
 KEYS = jax.random.split(jax.random.key(7), 8)
@@ -267,9 +268,9 @@ def test_custom_vjp_backward_inside_custom_jvp_runs_under_the_policy():
 
 # --- Equinox, diffrax, optimistix, lineax -----------------------------------------------------------
 
-diffrax = pytest.importorskip("diffrax")
-optx = pytest.importorskip("optimistix")
-lx = pytest.importorskip("lineax")
+diffrax = require("diffrax")
+optx = require("optimistix")
+lx = require("lineax")
 
 TS = jnp.linspace(0.0, 1.0, 5)
 TARGET = jnp.stack([jnp.cos(TS), jnp.sin(TS)], -1)
@@ -379,7 +380,7 @@ def test_foreign_higher_order_primitive_interprets_its_jaxprs():
 
 # --- Pallas kernels ------------------------------------------------------------------------------
 
-pl = pytest.importorskip("jax.experimental.pallas")
+pl = require("jax.experimental.pallas")
 
 
 def _gate_kernel(x_ref, o_ref):

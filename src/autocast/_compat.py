@@ -1,7 +1,8 @@
 """Everything that touches JAX internals or differs between supported JAX versions.
 
 The rest of the package imports from here and nowhere else below ``jax``'s public API, so a
-JAX upgrade is met in this one file. Supported: JAX 0.6.2 to 0.10.x.
+JAX upgrade is met in this one file. Supported: JAX 0.6.2 to 0.12 (README, "Supported
+versions", says how each is tested).
 """
 
 from __future__ import annotations
@@ -186,6 +187,29 @@ def sub_jaxpr_params(params: dict[str, Any]) -> list[str]:
     return found
 
 
+def holds_constants(value: Any) -> bool:
+    """Whether ``value`` is a jaxpr that holds its constants' values (a closed jaxpr), which
+    can be re-traced and put back in its place. Up to JAX 0.10 that is a ``ClosedJaxpr``;
+    from 0.11 on the two classes are one, and a jaxpr is closed when its constants are
+    attached (``is_closed``)."""
+    if ClosedJaxpr is Jaxpr:
+        # 0.11.0 marks a jaxpr whose constants lack values; after it, a jaxpr's constants
+        # are by definition those with values, so every jaxpr is closed
+        return isinstance(value, Jaxpr) and getattr(value, "is_closed", True)
+    return isinstance(value, ClosedJaxpr)
+
+
+def constants_unbound(closed: Any) -> Any | None:
+    """``closed``'s jaxpr with the values of its constants left out (an open jaxpr), as a
+    library that keeps its constants elsewhere holds one; None where this JAX has no such
+    jaxprs (after 0.11.0, a constant without a value is an input)."""
+    if ClosedJaxpr is not Jaxpr:
+        return closed.jaxpr
+    if not hasattr(closed, "is_closed"):
+        return None
+    return closed.replace(consts=[])
+
+
 def custom_call_jaxpr(eqn: Any) -> ClosedJaxpr:
     """The primal jaxpr of a ``custom_jvp_call`` or ``custom_vjp_call`` equation."""
     return eqn.params["call_jaxpr"]
@@ -260,6 +284,33 @@ def sub_jaxprs(eqn: Any) -> Iterator[Any]:
                 yield v
 
 
+def scan_layout(eqn: Any) -> tuple[int, int]:
+    """``(constants, carries)`` among a ``scan`` equation's inputs; the rest are sliced per
+    iteration. The body's arity cannot tell carries from constants, so this reads the
+    equation's own record of the grouping: ``num_consts``/``num_carry`` up to JAX 0.10, the
+    flat tree ``ft_in`` of (constants, carries, sliced inputs) from 0.11 on."""
+    p = eqn.params
+    if "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    groups = p.get("ft_in")
+    if groups is not None:
+        consts, carry, _ = groups.unpack()
+        return len(consts), len(carry)
+    raise NotImplementedError(
+        f"amp cannot read how this JAX version ({jax.__version__}) groups a scan's inputs "
+        f"(parameters: {', '.join(sorted(p))})"
+    )
+
+
+def while_layout(eqn: Any) -> tuple[int, int]:
+    """``(condition constants, body constants)`` among a ``while`` equation's inputs, read
+    off its jaxprs' arity: the body returns exactly the carries, and each jaxpr takes its
+    constants, then the carries."""
+    p = eqn.params
+    n_carry = len(p["body_jaxpr"].out_avals)
+    return len(p["cond_jaxpr"].in_avals) - n_carry, len(p["body_jaxpr"].in_avals) - n_carry
+
+
 def shard_map_manual_axes(params: dict[str, Any]) -> frozenset:
     """The mesh axes a ``shard_map`` equation makes manual: ``manual_axes`` up to JAX 0.6,
     ``newly_manual_axes`` since."""
@@ -285,6 +336,16 @@ def hook_custom_calls(*, vjp: Any, jvp: Any) -> None:
         call._autocast_hook = True  # type: ignore[attr-defined]
         call.__wrapped__ = original  # type: ignore[attr-defined]
         cls.__call__ = call
+
+
+def backward_cotangents(out: Any) -> tuple[list[Any], Any]:
+    """The cotangents in what a linearised ``custom_vjp``'s backward rule returned, and how
+    to return others in their place: the rule returns a list of them up to JAX 0.11.0, a
+    pair ``(cotangents, backward-pass logs)`` after (``custom_vjp.defvjp_with_logs``)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple)):
+        cts, logs = out
+        return list(cts), lambda new: (list(new), logs)
+    return list(out), list
 
 
 def rewrap(fun: Any, fn: Any) -> Any:
@@ -355,6 +416,7 @@ _CALLED_JAXPR = {
     **{name: "jaxpr" for name in JIT_NAMES},
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
+    "eval_jaxpr": "call_jaxpr",  # closed_call's primitive, renamed after JAX 0.11.0
     "remat2": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",

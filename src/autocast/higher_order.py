@@ -83,10 +83,9 @@ def _jit(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence
 
 
 def _inline_call(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """``closed_call`` / ``core_call``: a call with no parameters worth keeping, evaluated in
+    """``closed_call`` / ``core_call`` (``eval_jaxpr`` after JAX 0.11.0): a call with no parameters worth keeping, evaluated in
     place (its equations keep the call's name stack)."""
-    call = eqn.params["call_jaxpr"]
-    jaxpr, consts = (call.jaxpr, call.consts) if hasattr(call, "consts") else (call, ())
+    jaxpr, consts = _compat.called_jaxpr(eqn)
     return eval_jaxpr(jaxpr, consts, invals, ctx.enter(eqn), kinds)
 
 
@@ -183,7 +182,7 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     once per iteration, never per use."""
     p = eqn.params
     body = p["jaxpr"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = _compat.scan_layout(eqn)
     body_vars = body.jaxpr.invars
 
     def spec(i: int, x: Any) -> Any:
@@ -196,7 +195,7 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
 def _while(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``lax.while_loop``: condition and body under the policy, carries as in ``scan``."""
     p = eqn.params
-    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    n_cond, n_body = _compat.while_layout(eqn)
     inner = ctx.enter(eqn)
     cond_consts = invals[:n_cond]
     n_carry = len(invals) - n_cond - n_body
@@ -418,8 +417,10 @@ def _custom_lin(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
         args = (*_recorded_dtypes(eqn.invars[:n_res], args[:n_res]), *args[n_res:])
         closed, rebuild, values = traced_call(bwd.call_wrapped, args)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, values, inner)
-        cts = rebuild(_cast_to(outs, [a.dtype for a in closed.out_avals]))
-        return _cast_to(cts, [*targets, *[None] * (len(cts) - len(targets))])
+        cts, repack = _compat.backward_cotangents(
+            rebuild(_cast_to(outs, [a.dtype for a in closed.out_avals]))
+        )
+        return repack(_cast_to(cts, [*targets, *[None] * (len(cts) - len(targets))]))
 
     return _compat.bind_equation(eqn, invals, {**p, "bwd": _compat.rewrap(bwd, amp_bwd)})
 
@@ -500,7 +501,7 @@ def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequ
     inner = ctx.enter(eqn)
 
     def retyped(value: Any) -> Any:
-        if isinstance(value, _compat.ClosedJaxpr):
+        if _compat.holds_constants(value):
             specs = list(value.in_avals)
             return retrace(
                 value.jaxpr, value.consts, specs, [STRONG] * len(specs), inner,
@@ -520,6 +521,7 @@ HANDLERS: dict[str, Handler] = {
     **{name: _jit for name in _compat.JIT_NAMES},
     "closed_call": _inline_call,
     "core_call": _inline_call,
+    "eval_jaxpr": _inline_call,
     "remat2": _remat,
     "scan": _scan,
     "while": _while,

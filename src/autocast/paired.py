@@ -324,7 +324,7 @@ def _exactly(values: Sequence[Any], like: Sequence[Any]) -> list[Any]:
 def _scan(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
     prm = eqn.params
     body = prm["jaxpr"]
-    n_consts, n_carry = prm["num_consts"], prm["num_carry"]
+    n_consts, n_carry = _compat.scan_layout(eqn)
     consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
     init_a, init_r = _entering(carry)
 
@@ -342,7 +342,7 @@ def _scan(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
 def _while(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
     prm = eqn.params
     cond, body = prm["cond_jaxpr"], prm["body_jaxpr"]
-    n_cond, n_body = prm["cond_nconsts"], prm["body_nconsts"]
+    n_cond, n_body = _compat.while_layout(eqn)
     cond_consts, body_consts, carry = ins[:n_cond], ins[n_cond:n_cond + n_body], ins[n_cond + n_body:]
     init_a, init_r = _entering(carry)
     outer = p.active

@@ -68,14 +68,14 @@ def _loop(w: Walk, body: Any, fixed: list[frozenset], carry: list[frozenset], re
 
 def _scan(w: Walk, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = _compat.scan_layout(eqn)
     outs = _loop(w, p["jaxpr"].jaxpr, ins[:nc], ins[nc:nc + nk], ins[nc + nk:], nk)
     return [c | o for c, o in zip(ins[nc:nc + nk], outs[:nk])] + outs[nk:]
 
 
 def _while(w: Walk, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
     p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    nc, nb = _compat.while_layout(eqn)
     carry = ins[nc + nb:]
     outs = _loop(w, p["body_jaxpr"].jaxpr, ins[nc:nc + nb], carry, [], len(carry))
     return [c | o for c, o in zip(carry, outs)]

@@ -481,6 +481,12 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ("is_finite", use_input_precision, _ELEMENTWISE),
     ("tanh", use_input_precision, _ELEMENTWISE + " (bounded output)"),
     ("logistic", use_input_precision, _ELEMENTWISE + " (bounded output)"),
+    (
+        "one_minus_square",
+        use_input_precision,
+        "input dtype: 1 - y^2 of a tanh output y (the derivative of tanh and the tanh-GELU,"
+        " as JAX 0.11.2 writes them), which lies in [0, 1]; grad(amp(f)) runs it there too",
+    ),
     ("reduce_precision", use_input_precision, _ELEMENTWISE),
     ("stop_gradient", use_input_precision, _MOVEMENT),
     ("name", use_input_precision, "input dtype: a checkpoint_name mark, no computation"),
@@ -522,6 +528,26 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     ),
     *((name, use_own_precision, _VARYING_MARK) for name in ("pvary", "pbroadcast")),
 )
+
+# Rules that never move a value to a dtype wider than compute_dtype nor to one the program
+# did not have: under a compute dtype of 32 bits or more, each keeps every dtype as recorded.
+_NEUTRAL_AT_FULL_WIDTH = frozenset({
+    use_compute_precision, use_original_precision, use_full_precision, use_widest_precision,
+    use_input_precision, use_own_precision, use_precision_by_exponent,
+    use_input_precision_for_casts,
+})
+
+
+def changes_no_dtype(policy: Mapping[Any, PrecisionFn], compute_dtype: Any) -> bool:
+    """Whether ``policy`` under ``compute_dtype`` leaves every equation in its recorded
+    dtypes: a compute dtype of 32 bits or more, and only rules that never widen (the
+    default table's). amp then evaluates the recorded program itself, so
+    ``amp(fn, compute_dtype=jnp.float32)`` compiles to exactly ``fn``'s program on every
+    backend (SPEC 3.5), not merely to the same arithmetic."""
+    return np.dtype(compute_dtype).itemsize >= 4 and all(
+        rule in _NEUTRAL_AT_FULL_WIDTH for rule in policy.values()
+    )
+
 
 # Scopes that keep original precision: the seed's special names.
 SPECIAL_SCOPES: tuple[str, ...] = ("amp_stop", "amp_step", "amp_default")

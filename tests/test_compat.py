@@ -1,0 +1,121 @@
+"""The compatibility layer reads each JAX version's structures: loops' input groups, closed and
+open jaxprs, calls, and what a linearised custom_vjp's backward returns.
+
+Real programs of the installed JAX exercise the branch that version takes. The other
+versions' records, which cannot be made here, are built as their source writes them
+(JAX 0.11's ``ft_in`` flat tree; the ``(cotangents, logs)`` pair after 0.11.0), so both
+branches run in CI; the suite itself runs on JAX 0.11 on the GPU machine."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from autocast import _compat
+from conftest import eqns_named
+
+
+def _scan_eqn(n_consts: int, n_carry: int, n_xs: int):
+    consts = [jnp.full((2,), float(i)) for i in range(n_consts)]
+
+    def f(init, xs):
+        def body(carry, x):
+            new = tuple(c * 0.5 + sum(consts, 0.0) + x[0] for c in carry)
+            return new, sum(new)
+
+        return lax.scan(body, init, xs)
+
+    init = tuple(jnp.ones(2) * i for i in range(n_carry))
+    xs = tuple(jnp.ones((3, 2)) for _ in range(n_xs))
+    (eqn,) = eqns_named(jax.make_jaxpr(f)(init, xs), "scan")
+    return eqn
+
+
+def test_scan_layout_reads_the_installed_jax():
+    for n_consts, n_carry in ((0, 1), (2, 3)):
+        eqn = _scan_eqn(n_consts, n_carry, 1)
+        got_consts, got_carry = _compat.scan_layout(eqn)
+        assert got_carry == n_carry
+        # JAX hoists closed-over arrays into constants (a constant may be folded away)
+        assert got_consts + got_carry + 1 == len(eqn.invars)
+
+
+class _Group:
+    """A stand-in for one group of JAX 0.11's ``FlatTree`` (``len`` is its leaf count)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_scan_layout_reads_jax_0_11s_flat_tree():
+    # JAX 0.11 binds scan with ft_in=ft.pack((consts, carry, xs)) and no num_consts/num_carry
+    ft_in = types.SimpleNamespace(unpack=lambda: (_Group(2), _Group(3), _Group(1)))
+    eqn = types.SimpleNamespace(params={"ft_in": ft_in, "jaxpr": None, "length": 4})
+    assert _compat.scan_layout(eqn) == (2, 3)
+
+
+def test_scan_layout_names_what_it_cannot_read():
+    eqn = types.SimpleNamespace(params={"jaxpr": None, "length": 4})
+    try:
+        _compat.scan_layout(eqn)
+    except NotImplementedError as e:
+        assert "scan" in str(e) and "length" in str(e)
+    else:
+        raise AssertionError("no error")
+
+
+def test_while_layout_reads_the_jaxprs_arity():
+    w = jnp.ones(2)
+
+    def f(x, n):
+        return lax.while_loop(lambda c: c[1] < n, lambda c: (c[0] * w, c[1] + 1), (x, 0))
+
+    (eqn,) = eqns_named(jax.make_jaxpr(f)(jnp.ones(2), 3), "while")
+    n_cond, n_body = _compat.while_layout(eqn)
+    assert n_cond + n_body + 2 == len(eqn.invars)
+    assert (n_cond, n_body) == (eqn.params["cond_nconsts"], eqn.params["body_nconsts"])
+
+
+def test_closed_and_open_jaxprs():
+    w = jnp.linspace(0.0, 1.0, 4).reshape(2, 2)
+    closed = jax.make_jaxpr(lambda x: x @ w)(jnp.ones((1, 2)))
+    assert _compat.holds_constants(closed)
+    opened = _compat.constants_unbound(closed)
+    if opened is not None:  # JAX after 0.11.0 has no jaxpr with unbound constants
+        assert opened.constvars and not _compat.holds_constants(opened)
+    assert not _compat.holds_constants(np.ones(2))
+
+
+def test_calls_are_read_whatever_the_primitive_is_called():
+    from jax.extend.core import primitives
+
+    closed = jax.make_jaxpr(lambda x: [jnp.sin(x)])(jnp.ones(2))
+
+    def fn(x):
+        prim = primitives.closed_call_p
+        bind_params = prim.get_bind_params({"call_jaxpr": closed})
+        if isinstance(bind_params, tuple):  # JAX 0.6
+            return prim.bind(*bind_params[0], x, **bind_params[1])[0]
+        return prim.bind(x, **bind_params)[0]
+
+    (eqn,) = jax.make_jaxpr(fn)(jnp.ones(2)).eqns
+    jaxpr, consts = _compat.called_jaxpr(eqn)
+    np.testing.assert_allclose(jax.core.eval_jaxpr(jaxpr, consts, jnp.ones(2))[0], jnp.sin(1.0))
+
+
+def test_backward_cotangents_before_and_after_logs():
+    # up to JAX 0.11.0 the rule returns its cotangents; after, (cotangents, logs)
+    cts, repack = _compat.backward_cotangents([1.0, 2.0])
+    assert cts == [1.0, 2.0] and repack([3.0, 4.0]) == [3.0, 4.0]
+    logs = {"norm": 5.0}
+    cts, repack = _compat.backward_cotangents(([1.0, 2.0], logs))
+    assert cts == [1.0, 2.0] and repack([3.0, 4.0]) == ([3.0, 4.0], logs)
+    cts, repack = _compat.backward_cotangents(([1.0], None))
+    assert cts == [1.0] and repack([3.0]) == ([3.0], None)
