@@ -236,9 +236,22 @@ def _scaled(x: Any) -> bool:
     return _castable(x, x.dtype) and np.dtype(x.dtype).itemsize > 1
 
 
+def _has_float8_kernel(eqn: Any) -> bool:
+    """Whether GPUs have a float8 kernel for this product. cuDNN has none for grouped or
+    depthwise convolutions ("No supported configs" for ``feature_group_count`` 3 on an
+    H100), and they gain nothing from one: their contraction is one group's channels, so
+    they are bound by memory, not arithmetic. They run in the compute dtype."""
+    p = eqn.params
+    return p.get("feature_group_count", 1) == 1 and p.get("batch_group_count", 1) == 1
+
+
 def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict], Any]:
     def bind(eqn: Any, invars: Sequence[Any], params: dict) -> Any:
-        if eqn.primitive.name not in PRODUCTS or not all(_scaled(x) for x in invars[:2]):
+        if (
+            eqn.primitive.name not in PRODUCTS
+            or not _has_float8_kernel(eqn)
+            or not all(_scaled(x) for x in invars[:2])
+        ):
             return _compat.bind_equation(eqn, invars, params)
         a, b = invars
         out_dtype = params.get("preferred_element_type")
