@@ -15,6 +15,7 @@ from hypothesis import given, settings
 
 import autocast
 from autocast import _models
+from conftest import DETERMINISTIC
 
 HERE = __file__
 
@@ -111,8 +112,11 @@ def test_reference_is_the_float32_program_and_float32_compute_adds_nothing():
     params = _models.init_gpt(key, vocab=13, d=16, layers=1, seq=8)
     tokens = _models.gpt_batch(key, batch=2, seq=8, vocab=13)
     d = autocast.diagnose(_models.gpt_loss, compute_dtype=jnp.float32)(params, tokens)
-    assert float(d.reference) == float(_models.gpt_loss(params, tokens))
-    assert all(e.rel_error == 0 and e.overflow == 0 and e.underflow == 0 for e in d.entries)
+    # bit for bit on the CPU; a GPU fuses the reference's equations otherwise than the eager
+    # program's and sums in a varying order, which moves the last bits
+    tol = 0 if DETERMINISTIC else 1e-6
+    np.testing.assert_allclose(float(d.reference), float(_models.gpt_loss(params, tokens)), rtol=tol)
+    assert all(e.rel_error <= tol and e.overflow == 0 and e.underflow == 0 for e in d.entries)
     assert d.culprits == () and dict(d.suggested_policy) == dict(autocast.default_amp_policy)
 
 

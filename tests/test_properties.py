@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 
 import autocast
 from autocast._measure import equations
+from conftest import DETERMINISTIC, program_text
 
 F32, F16, BF16 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16))
 
@@ -256,15 +257,28 @@ def assert_trees_bitwise_equal(actual: Any, expected: Any) -> None:
             np.testing.assert_array_equal(a[~nan].view(bits), e[~nan].view(bits))
 
 
+def assert_trees_equal(actual: Any, expected: Any) -> None:
+    """Bit for bit where XLA is deterministic; elsewhere equal to float32 rounding."""
+    if DETERMINISTIC:
+        assert_trees_bitwise_equal(actual, expected)
+        return
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=1e-6)
+
+
 @SETTINGS
 @given(prog=programs(), seed=seeds, specials=st.booleans())
 def test_float32_compute_is_bit_identical(prog, seed, specials):
     floats, others = make_inputs(prog, seed, specials=specials)
     amp_fn = autocast.amp(prog, compute_dtype=jnp.float32)
-    assert_trees_bitwise_equal(jax.jit(amp_fn)(floats, others), jax.jit(prog)(floats, others))
+    # the same program as f's on every backend, hence the same bits wherever XLA is
+    # deterministic (conftest.DETERMINISTIC)
+    assert program_text(amp_fn, floats, others) == program_text(prog, floats, others)
+    assert_trees_equal(jax.jit(amp_fn)(floats, others), jax.jit(prog)(floats, others))
     # Called on concrete values, amp runs one compiled program: the bits of jax.jit(f). (Not
     # always f's own eager bits: eager f dispatches operation by operation.)
-    assert_trees_bitwise_equal(amp_fn(floats, others), jax.jit(prog)(floats, others))
+    assert_trees_equal(amp_fn(floats, others), jax.jit(prog)(floats, others))
 
 
 @SETTINGS
@@ -274,10 +288,11 @@ def test_float32_compute_has_bit_identical_gradients(prog, seed, specials):
     amp_fn = autocast.amp(prog, compute_dtype=jnp.float32)
     # Compared under jit: eagerly, JAX 0.6 runs the jnp helpers that amp's trace inlines
     # (jnp.tanh...) as fused XLA calls, which can differ from op-by-op in the last bit.
-    got = jax.jit(jax.grad(loss(amp_fn, others)))(floats)
-    want = jax.jit(jax.grad(loss(prog, others)))(floats)
+    grad_amp, grad_f = jax.grad(loss(amp_fn, others)), jax.grad(loss(prog, others))
+    assert program_text(grad_amp, floats) == program_text(grad_f, floats)
+    got, want = jax.jit(grad_amp)(floats), jax.jit(grad_f)(floats)
     assert set(got) == set(floats)
-    assert_trees_bitwise_equal(got, want)
+    assert_trees_equal(got, want)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from jax import lax
 
 import autocast
 from autocast import _models
-from conftest import eqns_named, jaxpr_of, operand_dtypes
+from conftest import DETERMINISTIC, eqns_named, jaxpr_of, operand_dtypes, program_text
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -392,12 +392,19 @@ def test_float32_compute_is_bit_identical_on_a_transformer():
     tokens = _models.gpt_batch(jax.random.PRNGKey(1))
     f = _models.gpt_loss
     a = autocast.amp(f, compute_dtype=F32)
+    # the contract on every backend: the very program f compiles to, forward and backward
+    assert program_text(a, params, tokens) == program_text(f, params, tokens)
+    assert program_text(jax.grad(a), params, tokens) == program_text(jax.grad(f), params, tokens)
     # amp called on concrete values runs one compiled program, so it is compared with jit(f):
     # f's own op-by-op evaluation can differ from its compiled result in the last bit
-    assert float(a(params, tokens)) == float(jax.jit(f)(params, tokens))
     ga, gf = jax.jit(jax.grad(a))(params, tokens), jax.jit(jax.grad(f))(params, tokens)
-    for x, y in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gf)):
-        np.testing.assert_array_equal(x, y)
+    pairs = [(a(params, tokens), jax.jit(f)(params, tokens))]
+    pairs += zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gf))
+    for x, y in pairs:
+        if DETERMINISTIC:
+            np.testing.assert_array_equal(x, y)
+        else:  # the embedding's gradient is a scatter-add, summed in a varying order
+            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
 def test_custom_jvp_rules_are_kept():

@@ -16,7 +16,7 @@ from autocast import _compat, closures, fp8
 from autocast._tree import is_array, is_floating_dtype
 from autocast.interpreter import RAW, UNMAPPED, Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
-from autocast.rules import cast_value, default_amp_policy
+from autocast.rules import cast_value, changes_no_dtype, default_amp_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -86,7 +86,11 @@ class _Traced:
 
     def evaluate(self, ctx: Context) -> Callable[..., list]:
         """The jaxpr evaluated under ``ctx``, outputs cast back to the original dtypes and
-        weak types (``amp(lambda a: a * 2)(1.0)`` is weak, as under ``jax.jit``)."""
+        weak types (``amp(lambda a: a * 2)(1.0)`` is weak, as under ``jax.jit``). Under a
+        policy that changes no dtype, the jaxpr as recorded (see
+        :func:`autocast.rules.changes_no_dtype`)."""
+        if ctx.observer is None and changes_no_dtype(ctx.policy, ctx.compute_dtype):
+            return functools.partial(jax.core.eval_jaxpr, self.jaxpr.jaxpr, self.jaxpr.consts)
 
         def run(*args: Any) -> list[Any]:
             consts = self.jaxpr.consts
