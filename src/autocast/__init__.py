@@ -11,6 +11,7 @@ and the line, where mixed precision lost accuracy or overflowed. Loss scaling fo
 """
 
 from autocast.diagnose import Diagnosis, Entry, diagnose
+from autocast.entry_points import in_compute_dtype
 from autocast.fp8 import use_fp8_precision
 from autocast.loss_scale import (
     DynamicLossScale,
@@ -82,6 +83,7 @@ __all__ = [
     "dynamic_scale_value_and_grad",
     "get_policy",
     "half_dtype",
+    "in_compute_dtype",
     "next_loss_scale",
     "nonfinite_leaves",
     "nonfinite_paths",

@@ -348,6 +348,17 @@ def backward_cotangents(out: Any) -> tuple[list[Any], Any]:
     return list(out), list
 
 
+def replace_public_function(module: str, name: str, wrap: Any) -> None:
+    """Replaces the public function ``module.name`` by ``wrap(function)`` (once), so that
+    calls through the module reach the wrapper: code that calls
+    ``jax.nn.dot_product_attention(...)``, and Flax's attention, which does. A name bound
+    by ``from module import name`` before autocast was imported keeps the original."""
+    owner = importlib.import_module(module)
+    original = getattr(owner, name, None)
+    if original is not None:
+        setattr(owner, name, wrap(original))
+
+
 def rewrap(fun: Any, fn: Any) -> Any:
     """``fn`` in place of the ``lu.WrappedFun`` ``fun`` (a ``custom_lin``'s backward rule),
     with the same debug information."""

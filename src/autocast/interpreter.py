@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from autocast import _compat, regions
+from autocast import _compat, entry_points, regions
 from autocast._tree import is_floating_dtype
 from autocast.rules import (
     CUSTOM_BINDINGS,
@@ -365,6 +365,12 @@ def _cast_ahead(
     ]
 
 
+def _restores_entry_output(eqn: Any) -> bool:
+    """Whether ``eqn`` is the cast that restores an entry point's result to the dtype the
+    program had (:mod:`autocast.entry_points`)."""
+    return entry_points.RESTORE_SCOPE in _compat.scope_names(eqn)
+
+
 def apply_first_order(
     eqn: Any,
     invals: list[Any],
@@ -376,6 +382,9 @@ def apply_first_order(
     """Decides, casts and binds one first-order equation (or gathers it into a wide region,
     see :mod:`autocast.regions`). ``uses`` says how later equations use its outputs; ``moved``
     maps a variable holding a reshaped activation to ``(reshape equation, activation)``."""
+    if eqn.primitive.name == "convert_element_type" and _restores_entry_output(eqn):
+        # an entry point's result cast back for the trace's sake: it flows on as it came
+        return _materialized(invals[0])
     original = [v.aval.dtype for v in eqn.invars]
     if UNMAPPED in kinds:
         kinds = _unmapped_as(eqn, invals, kinds)

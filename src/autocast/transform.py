@@ -12,11 +12,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, overload
 import jax
 import jax.numpy as jnp
 
-from autocast import _compat, closures, fp8
+from autocast import _compat, closures, entry_points, fp8
 from autocast._tree import is_array, is_floating_dtype
 from autocast.interpreter import RAW, UNMAPPED, Context, eval_jaxpr
 from autocast.policy import canonicalize_float_dtype, half_dtype
-from autocast.rules import cast_value, changes_no_dtype, default_amp_policy
+from autocast.rules import cast_value, changes_no_dtype, default_amp_policy, is_compute_rule
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -168,6 +168,14 @@ class _Amp:
             scopes=tuple(s for s in _compat.current_scope_names() if s in self._scope_keys),
         )
 
+    def _keeps_precision(self, scopes: Sequence[str]) -> bool:
+        """Whether the outermost of ``scopes`` that the policy names keeps a precision of its
+        own rather than the compute dtype (``amp_stop``): entry points there run as called."""
+        for name in scopes:
+            if name in self._scope_keys:
+                return not is_compute_rule(self._policy[name])
+        return False
+
     def _trace(self, in_tree: Any, leaves: list, dynamic: list[int]) -> _Traced:
         specs = [_compat.aval_of(leaves[i]) for i in dynamic]
         dyn = set(dynamic)
@@ -177,7 +185,9 @@ class _Amp:
             for i in range(len(leaves))
             if i not in dyn
         )
-        key = (in_tree, tuple(specs), statics)
+        ctx = self._context()
+        # the caller's scopes decide, with the compute dtype, what entry points trace in
+        key = (in_tree, tuple(specs), statics, ctx.scopes)
         try:
             hit = self._traces.get(key)
         except TypeError:  # an unhashable static leaf: trace every time, as jax.jit would refuse
@@ -199,7 +209,7 @@ class _Amp:
             out_store["static"] = [None if is_array(x) else x for x in out_leaves]
             return [x for x in out_leaves if is_array(x)]
 
-        with _tracing_fn():
+        with _tracing_fn(), entry_points.tracing(ctx.compute_dtype, self._keeps_precision):
             jaxpr = jax.make_jaxpr(flat_fn)(*specs)
         traced = _Traced(jaxpr, out_store["tree"], out_store["static"])
         if key is not None and not any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts):
