@@ -18,7 +18,9 @@ def test_demo_runs_and_writes_table_plot_and_figures(tmp_path, capsys):
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["amp bfloat16"]["low_precision_flop_share"] >= 0.99
     assert saved["float32"]["low_precision_flop_share"] == 0.0
-    assert saved["amp float8"]["fp8_flop_share"] >= 0.99 and saved["amp bfloat16"]["fp8_flop_share"] == 0.0
+    # every weight product in float8; attention's batched products (8% here) in bfloat16
+    assert 0.85 <= saved["amp float8"]["fp8_flop_share"] < 0.99
+    assert saved["amp bfloat16"]["fp8_flop_share"] == 0.0
     assert "amp float8" in printed and "8-bit FLOPs" in printed
     assert len(saved["amp float16 + scaling"]["scales"]) == 12
     assert results["amp bfloat16"]["activation_bytes"] < results["float32"]["activation_bytes"]

@@ -32,20 +32,43 @@ def _demo_gpt():
     return params, next(demo.batches(demo.corpus(), batch=16, seq=config["seq"]))
 
 
-def test_gpt_matrix_flops_are_float8_forward_and_backward_with_e5m2_gradients():
+def _batched(eqn):
+    return eqn.primitive.name == "dot_general" and bool(eqn.params["dimension_numbers"][1][0])
+
+
+def _flops_where(jaxpr, which, products):
+    """(chosen, total) FLOPs of the products ``products`` selects, ``which`` judging dtypes."""
+    total = chosen = 0
+    for eqn in _measure.equations(jaxpr):
+        if eqn.primitive.name in _measure.MATMUL_NAMES and products(eqn):
+            flops = _measure.matmul_flops(eqn)
+            total += flops
+            chosen += flops if which([v.aval.dtype for v in eqn.invars[:2]]) else 0
+    return chosen, total
+
+
+def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients():
     params, tokens = _demo_gpt()
     f8 = autocast.amp(_models.gpt_loss, compute_dtype=jnp.float8_e4m3fn)
     fwd = jax.make_jaxpr(f8)(params, tokens)
     both = jax.make_jaxpr(jax.value_and_grad(f8))(params, tokens)
-    fp8_fwd, total_fwd = _measure.flop_counts_where(fwd, _is_fp8)
-    fp8_all, total_all = _measure.flop_counts_where(both, _is_fp8)
-    e5m2_all, _ = _measure.flop_counts_where(both, _has_e5m2)
+    weights = lambda e: not _batched(e)  # noqa: E731
+    fp8_fwd, total_fwd = _flops_where(fwd, _is_fp8, weights)
+    fp8_all, total_all = _flops_where(both, _is_fp8, weights)
+    e5m2_all, _ = _flops_where(both, _has_e5m2, weights)
     back = total_all - total_fwd
     assert fp8_fwd / total_fwd >= 0.95
     assert (fp8_all - fp8_fwd) / back >= 0.95
     assert e5m2_all / back >= 0.40
-    # float32 accumulation in every product
-    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in eqns_named(both, "dot_general"))
+    # attention's batched products run in bfloat16, as Transformer Engine runs them
+    batched = [tuple(v.aval.dtype.name for v in e.invars) for e in eqns_named(both, "dot_general") if _batched(e)]
+    assert batched and set(batched) == {("bfloat16", "bfloat16")}
+    # float32 accumulation in every float8 product
+    assert all(
+        e.outvars[0].aval.dtype == jnp.float32
+        for e in eqns_named(both, "dot_general")
+        if _is_fp8([v.aval.dtype for v in e.invars])
+    )
     loss, grads = jax.jit(jax.value_and_grad(f8))(params, tokens)
     loss32, grads32 = jax.jit(jax.value_and_grad(_models.gpt_loss))(params, tokens)
     assert loss.dtype == jnp.float32 and np.isfinite(loss)

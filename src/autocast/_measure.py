@@ -101,6 +101,23 @@ def float_casts(jaxpr: Any) -> list[Any]:
     ]
 
 
+def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
+    """Bytes the compiled ``jax.jit(fn)`` reads and writes, by XLA's cost analysis: a
+    CPU-side proxy for the memory traffic a GPU step pays for (quantisation passes, casts)."""
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    if isinstance(cost, (list, tuple)):  # one entry per program in older JAX
+        cost = cost[0]
+    return float(cost["bytes accessed"])
+
+
+def float8_casts(jaxpr: Any) -> int:
+    """Conversions to a float8 type: one per tensor quantised, each a pass over it."""
+    return sum(
+        eqn.outvars[0].aval.dtype.itemsize == 1
+        for eqn in float_casts(jaxpr)
+    )
+
+
 def count_casts(jaxpr: Any) -> int:
     """Number of casts from one floating dtype to another, sub-jaxprs included."""
     return len(float_casts(jaxpr))
