@@ -20,6 +20,9 @@ Sections, each a table (``--only`` picks some):
   gradient error, activation memory, loss after training the demo's GPT;
 - ``diagnose``: what ``autocast.diagnose`` costs against amp's first call (trace, compile,
   run) on the demo's GPT as a loss, a gradient, and a jitted gradient of scanned blocks;
+- ``gpu``: training steps at real sizes (``gpu_step.py``: GPT-2 small and medium, a 24x2048
+  decoder, ResNet-18; float32, hand-cast, amp bf16 and fp8, naive and fused attention,
+  torch.autocast where PyTorch has CUDA), each in its own process; on a GPU only;
 - ``step``: gradient step time and peak memory (``compiled.memory_analysis()``, and the
   device's own peak where it reports one), float32 vs hand-cast vs amp bfloat16 vs amp float8.
   Runs by default on a
@@ -50,6 +53,7 @@ sys.path.insert(0, str(HERE))
 
 import diagnose_cost  # noqa: E402
 import fp8_compute  # noqa: E402
+import gpu_step  # noqa: E402
 import mixed_precision  # noqa: E402
 import model_families  # noqa: E402
 import third_party  # noqa: E402
@@ -184,6 +188,14 @@ def run_fp8(results: dict, options: argparse.Namespace) -> None:
     results["fp8"] = fp8_compute.main()
 
 
+def run_gpu(results: dict, options: argparse.Namespace) -> None:
+    print("== training steps at real sizes: GPT-2 small/medium, a 24x2048 decoder, ResNet-18 ==")
+    if jax.default_backend() != "gpu":
+        print("(no GPU: benchmarks/gpu_step.py runs these on one; --tiny runs it on a CPU)")
+        return
+    results["gpu_step"] = gpu_step.main(["--json", str(HERE / "gpu_step.json"), "--torch"])
+
+
 def run_diagnose(results: dict, options: argparse.Namespace) -> None:
     print("== the numerics debugger's cost: autocast.diagnose vs amp's first call, demo GPT ==")
     results["diagnose"] = diagnose_cost.main()
@@ -192,7 +204,7 @@ def run_diagnose(results: dict, options: argparse.Namespace) -> None:
 RUNNERS = {
     "jaxpr": run_jaxpr, "families": run_families, "torch": run_torch, "parallel": run_parallel,
     "trace": run_trace, "third_party": run_third_party, "fp8": run_fp8, "diagnose": run_diagnose,
-    "step": run_step,
+    "step": run_step, "gpu": run_gpu,
 }
 SECTIONS = tuple(RUNNERS)
 

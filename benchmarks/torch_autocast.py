@@ -123,30 +123,37 @@ def _linear(p: Params, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, p["w"], p["b"])
 
 
-def _block(p: Params, x: torch.Tensor, heads: int) -> torch.Tensor:
+def _block(p: Params, x: torch.Tensor, heads: int, attention: str = "naive") -> torch.Tensor:
     import torch
     import torch.nn.functional as F
 
     b, t, d = x.shape
     q, k, v = _linear(p["qkv"], _layer_norm(p["ln1"], x)).split(d, dim=-1)
     q, k, v = (z.reshape(b, t, heads, d // heads) for z in (q, k, v))
-    scores = torch.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // heads)
-    mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
-    probs = torch.softmax(torch.where(mask, scores, -1e9), dim=-1)
-    att = torch.einsum("bhqk,bkhc->bqhc", probs, v).reshape(b, t, d)
+    if attention == "sdpa":  # PyTorch's fused attention (flash or memory-efficient kernels)
+        heads_first = [z.transpose(1, 2) for z in (q, k, v)]
+        att = F.scaled_dot_product_attention(*heads_first, is_causal=True).transpose(1, 2).reshape(b, t, d)
+    else:
+        scores = torch.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // heads)
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
+        probs = torch.softmax(torch.where(mask, scores, -1e9), dim=-1)
+        att = torch.einsum("bhqk,bkhc->bqhc", probs, v).reshape(b, t, d)
     x = x + _linear(p["proj"], att)
     h = F.gelu(_linear(p["up"], _layer_norm(p["ln2"], x)), approximate="tanh")
     return x + _linear(p["down"], h)
 
 
-def gpt_loss(params: Params, tokens: torch.Tensor, heads: int = GPT_HEADS) -> torch.Tensor:
-    """Next-token NLL of the pre-norm GPT, as ``autocast._models.gpt_loss`` computes it."""
+def gpt_loss(
+    params: Params, tokens: torch.Tensor, heads: int = GPT_HEADS, attention: str = "naive"
+) -> torch.Tensor:
+    """Next-token NLL of the pre-norm GPT, as ``autocast._models.gpt_loss`` computes it;
+    ``attention="sdpa"`` runs PyTorch's fused attention instead of the written-out one."""
     import torch
 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     x = params["embed"][inputs] + params["pos"][: inputs.shape[1]]
     for p in params["blocks"]:
-        x = _block(p, x, heads)
+        x = _block(p, x, heads, attention)
     logits = _linear(params["head"], _layer_norm(params["ln_f"], x)).float()
     logp = torch.log_softmax(logits, dim=-1)
     return -logp.gather(-1, targets[..., None]).mean()

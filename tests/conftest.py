@@ -48,12 +48,17 @@ def require(module: str) -> Any:
 
 
 def program_text(fn: Callable[..., Any], *args: Any) -> str:
-    """The StableHLO ``jax.jit(fn)`` compiles for ``args``, without source locations and the
-    module's name: two functions with equal texts run the same program on any backend."""
-    text = jax.jit(fn).lower(*args).as_text()
-    text = re.sub(r"loc\(.*?\)", "", text)
-    text = re.sub(r"#loc\d*( = .*)?", "", text)
-    return re.sub(r"module @\S+", "module", text)
+    """The HLO XLA compiles ``jax.jit(fn)`` to for ``args``, optimised, without source
+    information: two functions with equal texts run the same program on any backend."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    text = re.sub(r", metadata=\{.*?\}", "", text)
+    lines = text.splitlines()
+    # from the first computation on: the header and the source tables name files and frames
+    first = next(i for i, line in enumerate(lines) if line.startswith(("%", "ENTRY")))
+    text = "\n".join(lines[first:])
+    # names carry counters that depend on what XLA removed on the way: number them afresh
+    names: dict[str, str] = {}
+    return re.sub(r"%?[A-Za-z_][\w\-]*(?:\.\d+)+", lambda m: names.setdefault(m.group(0), f"v{len(names)}"), text)
 
 
 # XLA evaluates a program deterministically on the CPU. A GPU's scatter-adds (an embedding's

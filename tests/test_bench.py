@@ -4,6 +4,7 @@ first GPU it meets holds no surprise."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,35 @@ def test_without_the_flag_a_cpu_skips_the_step_section(tmp_path, capsys):
 def test_an_unknown_section_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--only", "jaxpr,warp", "--json", str(tmp_path / "r.json")])
+
+
+gpu_step = load_script(Path(__file__).parents[1] / "benchmarks" / "gpu_step.py")
+
+
+def test_gpu_step_tiny_runs_each_variant_in_its_own_process(tmp_path):
+    out = tmp_path / "gpu.json"
+    argv = ["--tiny", "--models", "GPT-2 small,ResNet-18", "--variants", "amp bf16", "--attention", "fused",
+            "--steps", "1", "--json", str(out)]
+    results = gpu_step.main(argv)
+    assert json.loads(out.read_text()) == results
+    assert set(results["GPT-2 small"]) == {"amp bf16 / fused"}
+    assert set(results["ResNet-18"]) == {"amp bf16 / -"}
+    for r in (*results["GPT-2 small"].values(), *results["ResNet-18"].values()):
+        assert "error" not in r, r
+        assert r["step_ms"] > 0 and r["tflops"] > 0 and r["peak_bytes"] > 0 and r["loss"] > 0
+
+
+def test_gpu_step_covers_every_model_variant_and_attention():
+    table = gpu_step.runs(list(gpu_step.MODELS), torch=True)
+    gpt = [r for r in table if r[0] == "GPT-2 medium"]
+    assert {(v, a) for _, v, a in gpt} == {
+        (v, a) for v in (*gpu_step.GPT_VARIANTS, *gpu_step.TORCH_VARIANTS) for a in ("naive", "fused")
+    }
+    assert [v for m, v, _ in table if m == "ResNet-18"] == list(gpu_step.RESNET_VARIANTS)
+    assert set(gpu_step.MODELS) == set(gpu_step.TINY)
+
+
+def test_gpu_step_hand_cast_gpt_trains_in_process():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    r = gpu_step.run_jax(gpu_step.TINY["GPT-2 small"], "hand bf16", "naive", steps=1)
+    assert r["loss"] > 0 and r["step_ms"] > 0

@@ -1,0 +1,314 @@
+"""Training-step time, throughput and peak memory at real sizes (SPEC 5): amp against float32,
+a careful hand cast, the framework's own bfloat16 and, optionally, torch.autocast.
+
+Models (``gpu_models.py``): GPT-2 small (12x768) and medium (24x1024) at batch 8 of 1024
+tokens, a 24x2048 decoder (about 1.3 B parameters) at batch 4, each with AdamW and with
+attention written out ("naive") or fused (cuDNN's kernel through
+``jax.nn.dot_product_attention``; JAX's XLA path for a float32 program); ResNet-18 with
+BatchNorm on 224x224 images at batch 128, with SGD and momentum.
+
+Variants: ``float32`` (TF32 matmuls on a GPU, XLA's default), ``hand bf16`` (GPTs) or
+``flax bf16`` (ResNet-18, Flax's ``dtype=bfloat16``), ``amp bf16``, ``amp fp8``; with
+``--torch``, PyTorch's ``autocast`` eager and under ``torch.compile``, naive attention and
+``scaled_dot_product_attention`` (GPTs, when PyTorch and a CUDA device are there).
+
+Each variant runs in a process of its own, so each device peak is that variant's alone.
+Figures: mean step time over ``--steps`` steps after two warm-up steps, TFLOP/s from model
+FLOPs (GPT: 6 x parameters x tokens + 12 x layers x sequence x width x tokens; ResNet-18:
+three times its forward FLOPs from XLA's cost analysis), the device's peak bytes in use
+(the compiled program's planned peak where the device reports none), and the loss after the
+warm-up and timed steps on generated, learnable batches.
+
+``--tiny`` runs the same code on models a CPU trains in seconds (the test suite runs it);
+the real sizes are for a GPU. ``make bench`` runs this on a GPU.
+
+Run: ``.venv/bin/python benchmarks/gpu_step.py [--tiny] [--models ...] [--torch]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+HERE = Path(__file__).parent
+
+GPT_VOCAB = 50304
+MODELS: dict[str, dict[str, Any]] = {
+    "GPT-2 small": dict(kind="gpt", layers=12, d=768, heads=12, seq=1024, batch=8, vocab=GPT_VOCAB),
+    "GPT-2 medium": dict(kind="gpt", layers=24, d=1024, heads=16, seq=1024, batch=8, vocab=GPT_VOCAB),
+    "decoder 24x2048": dict(kind="gpt", layers=24, d=2048, heads=16, seq=1024, batch=4, vocab=GPT_VOCAB),
+    "ResNet-18": dict(kind="resnet", batch=128, size=224, classes=1000, width=64),
+}
+TINY: dict[str, dict[str, Any]] = {
+    "GPT-2 small": dict(kind="gpt", layers=2, d=64, heads=4, seq=32, batch=2, vocab=128),
+    "GPT-2 medium": dict(kind="gpt", layers=3, d=64, heads=4, seq=32, batch=2, vocab=128),
+    "decoder 24x2048": dict(kind="gpt", layers=2, d=128, heads=4, seq=32, batch=1, vocab=128),
+    "ResNet-18": dict(kind="resnet", batch=2, size=32, classes=10, width=8),
+}
+GPT_VARIANTS = ("float32", "hand bf16", "amp bf16", "amp fp8")
+RESNET_VARIANTS = ("float32", "flax bf16", "amp bf16", "amp fp8")
+TORCH_VARIANTS = ("torch eager", "torch compile")
+ATTENTIONS = ("naive", "fused")
+
+
+def runs(
+    models: Sequence[str], torch: bool, variants: Sequence[str] = (), attentions: Sequence[str] = ATTENTIONS
+) -> list[tuple[str, str, str]]:
+    """(model, variant, attention) of every run, in table order; ``variants`` (empty: all)
+    and ``attentions`` narrow them."""
+    out = []
+    for model in models:
+        if MODELS[model]["kind"] == "resnet":
+            out += [(model, v, "-") for v in RESNET_VARIANTS]
+        else:
+            names = GPT_VARIANTS + (TORCH_VARIANTS if torch else ())
+            out += [(model, v, a) for a in attentions for v in names]
+    return [r for r in out if not variants or r[1] in variants]
+
+
+# ---- one run, in its own process -------------------------------------------------------------
+
+def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any, float]:
+    """The jitted AdamW step ``(params, opt_state, i) -> (params, opt_state, loss)``, the
+    initial state, and the model FLOPs of one step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autocast
+    import gpu_models
+
+    if attention == "naive":
+        kind = "naive"
+    else:  # cuDNN's kernel takes 16-bit inputs; a float32 program gets JAX's own fused path
+        kind = "cudnn" if jax.default_backend() == "gpu" and variant != "float32" else "xla"
+    hand = jnp.bfloat16 if variant == "hand bf16" else None
+    loss = functools.partial(gpu_models.gpt2_loss, heads=config["heads"], attention=kind, hand=hand)
+    if variant.startswith("amp"):
+        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
+    params = gpu_models.init_gpt2(jax.random.key(0), **config)
+    optimizer = optax.adamw(3e-4, weight_decay=0.1)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
+        value, grads = jax.value_and_grad(loss)(params, gpu_models.gpt2_batch(i, **config))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    tokens = config["batch"] * config["seq"]
+    n = gpu_models.gpt2_params_count(params)
+    flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
+    return step, (params, optimizer.init(params)), float(flops)
+
+
+def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autocast
+    import gpu_models
+
+    dtype = jnp.bfloat16 if variant == "flax bf16" else jnp.float32
+    model = gpu_models.ResNet18(config["classes"], config["width"], dtype)
+    images, _ = jax.jit(functools.partial(gpu_models.image_batch, **config))(jnp.asarray(0))
+    # a jitted init on the "rbg" generator compiles in a third of the default's time
+    variables = jax.jit(model.init)(jax.random.key(0, impl="rbg"), images)
+    loss = gpu_models.resnet_loss(model)
+    if variant.startswith("amp"):
+        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
+    optimizer = optax.sgd(0.05, momentum=0.9)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(variables: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
+        (value, stats), grads = jax.value_and_grad(
+            lambda p: loss({**variables, "params": p}, *gpu_models.image_batch(i, **config)), has_aux=True
+        )(variables["params"])
+        updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
+        params = optax.apply_updates(variables["params"], updates)
+        return {"params": params, "batch_stats": stats}, opt_state, value
+
+    # the unoptimised forward program's FLOPs: no compile needed for them
+    cost = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])).lower(variables, images).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return step, (variables, optimizer.init(variables["params"])), 3.0 * float(cost["flops"])
+
+
+def _planned_peak(compiled: Any) -> int | None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    if peak:
+        return int(peak)
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+               - stats.alias_size_in_bytes)
+
+
+def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    if config["kind"] == "gpt":
+        step, (params, opt_state), flops = _gpt_step(config, variant, attention)
+    else:
+        step, (params, opt_state), flops = _resnet_step(config, variant)
+    compiled = step.lower(params, opt_state, jnp.asarray(0)).compile()
+    planned = _planned_peak(compiled)
+    for i in range(2):  # warm-up
+        params, opt_state, value = step(params, opt_state, jnp.asarray(i))
+    jax.block_until_ready(value)
+    start = time.perf_counter()
+    for i in range(2, 2 + steps):
+        params, opt_state, value = step(params, opt_state, jnp.asarray(i))
+    jax.block_until_ready((params, value))
+    seconds = (time.perf_counter() - start) / steps
+    device = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return {
+        "step_ms": 1e3 * seconds,
+        "tflops": flops / seconds / 1e12,
+        "peak_bytes": device if device else planned,
+        "peak_is_device": bool(device),
+        "loss": float(value),
+    }
+
+
+def run_torch(config: dict, variant: str, attention: str, steps: int) -> dict:
+    """PyTorch's autocast (bfloat16) on the same GPT, eager or under ``torch.compile``."""
+    import torch
+
+    import torch_autocast
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_default_device(device)
+    torch.manual_seed(0)
+    params = torch_autocast.init_gpt(vocab=config["vocab"], d=config["d"], layers=config["layers"], seq=config["seq"])
+    leaves = torch_autocast._tensors(params)
+    optimizer = torch.optim.AdamW(leaves, lr=3e-4, weight_decay=0.1)
+    loss_fn = functools.partial(
+        torch_autocast.gpt_loss, heads=config["heads"], attention="sdpa" if attention == "fused" else "naive"
+    )
+    if variant == "torch compile":
+        loss_fn = torch.compile(loss_fn)
+
+    def batch(i: int) -> torch.Tensor:
+        g = torch.Generator(device=device).manual_seed(i)
+        start = torch.randint(0, config["vocab"], (config["batch"], 1), generator=g)
+        t = (start + 7 * torch.arange(config["seq"] + 1)) % config["vocab"]
+        noise = torch.rand(t.shape, generator=g) < 0.1
+        return torch.where(noise, torch.randint(0, config["vocab"], t.shape, generator=g), t)
+
+    def step(i: int) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = loss_fn(params, batch(i))
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for i in range(2):
+        step(i)
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for i in range(2, 2 + steps):
+        value = step(i)
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    tokens = config["batch"] * config["seq"]
+    n = sum(p.numel() for p in leaves)
+    flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
+    return {
+        "step_ms": 1e3 * seconds,
+        "tflops": flops / seconds / 1e12,
+        "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "peak_is_device": device == "cuda",
+        "loss": float(value),
+    }
+
+
+def _one(argv: Sequence[str]) -> None:
+    """``--one MODEL VARIANT ATTENTION STEPS TINY OUT``: a single run, its figures as JSON."""
+    model, variant, attention, steps, tiny, out = argv
+    config = (TINY if tiny == "1" else MODELS)[model]
+    sys.path.insert(0, str(HERE))
+    run = run_torch if variant.startswith("torch") else run_jax
+    Path(out).write_text(json.dumps(run(config, variant, attention, int(steps))))
+
+
+# ---- the table -------------------------------------------------------------------------------
+
+def _spawn(model: str, variant: str, attention: str, steps: int, tiny: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", model, variant, attention, str(steps), str(int(tiny)), str(out)],
+            text=True, capture_output=True, env=os.environ.copy(),
+        )
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            return {"error": last[:200]}
+        return json.loads(out.read_text())
+
+
+def _torch_ready() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Runs every (model, variant, attention), each in its own process; prints the table and
+    returns ``{model: {"variant / attention": figures}}``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized models (the tests run this)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (after 2 warm-up steps)")
+    parser.add_argument("--torch", action="store_true", help="add torch.autocast runs (needs PyTorch and CUDA)")
+    parser.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
+    parser.add_argument("--attention", default=",".join(ATTENTIONS), help="comma-separated: naive, fused")
+    parser.add_argument("--json", default=str(HERE / "gpu_step.json"), help="where the figures are written")
+    options = parser.parse_args(argv)
+    models = [m for m in options.models.split(",") if m]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    torch = options.torch and (_torch_ready() or options.tiny)
+    if options.torch and not torch:
+        print("(--torch needs PyTorch and a CUDA device: the torch.autocast runs are left out)")
+    results: dict[str, dict] = {}
+    print(f"{'model':16} {'variant':13} {'attention':9} {'step ms':>8} {'TFLOP/s':>8} {'peak MiB':>9} {'loss':>7}")
+    chosen = runs(models, torch, [v for v in options.variants.split(",") if v], options.attention.split(","))
+    for model, variant, attention in chosen:
+        r = _spawn(model, variant, attention, options.steps, options.tiny)
+        results.setdefault(model, {})[f"{variant} / {attention}"] = r
+        if "error" in r:
+            print(f"{model:16} {variant:13} {attention:9} failed: {r['error']}")
+            continue
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}" + ("" if r["peak_is_device"] else "*")
+        print(
+            f"{model:16} {variant:13} {attention:9} {r['step_ms']:8.1f} {r['tflops']:8.2f} "
+            f"{peak:>9} {r['loss']:7.3f}"
+        )
+    print("(* the compiled program's planned peak: this device reports no peak of its own)")
+    Path(options.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        _one(sys.argv[2:])
+    else:
+        main()
