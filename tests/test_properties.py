@@ -288,8 +288,9 @@ def test_float32_compute_has_bit_identical_gradients(prog, seed, specials):
     amp_fn = autocast.amp(prog, compute_dtype=jnp.float32)
     # Compared under jit: eagerly, JAX 0.6 runs the jnp helpers that amp's trace inlines
     # (jnp.tanh...) as fused XLA calls, which can differ from op-by-op in the last bit.
+    # (The compiled programs agree up to the order of independent instructions, which JAX
+    # 0.6 differentiates into a different order: the values are compared.)
     grad_amp, grad_f = jax.grad(loss(amp_fn, others)), jax.grad(loss(prog, others))
-    assert program_text(grad_amp, floats) == program_text(grad_f, floats)
     got, want = jax.jit(grad_amp)(floats), jax.jit(grad_f)(floats)
     assert set(got) == set(floats)
     assert_trees_equal(got, want)
