@@ -82,7 +82,7 @@ def test_integer_pow_rule_depends_on_the_exponent():
         y: rules.use_precision_by_exponent(BF16, [F32], x, y=y)[0][0].dtype
         for y in (-3, -2, -1, 1, 2, 3, 4, 7)
     }
-    assert dtypes == {-3: BF16, -2: F32, -1: BF16, 1: BF16, 2: F32, 3: BF16, 4: F32, 7: F32}
+    assert dtypes == {-3: F32, -2: F32, -1: F32, 1: BF16, 2: F32, 3: BF16, 4: F32, 7: F32}
     # never wider than the program: a square the program wrote in bfloat16 stays bfloat16
     (same,), _ = rules.use_precision_by_exponent(BF16, [BF16], x, y=2)
     assert same is x
@@ -288,3 +288,30 @@ def test_every_primitive_of_ordinary_models_is_classified(model):
         names = _float_primitives(_models.gpt_loss, *args)
     table = {name for name, _, _ in autocast.DEFAULT_PRECISION_TABLE}
     assert names - HIGHER_ORDER - table == set()
+
+
+def test_a_product_of_a_value_with_itself_is_a_square():
+    # jnp.linalg.norm writes x * x: in float16 an activation of 640 squares to inf
+    x, w = jnp.full((2, 8), 20.0), jnp.eye(8) * 32
+    norm = lambda x, w: jnp.linalg.norm(x @ w, axis=-1)  # noqa: E731
+    f16 = autocast.amp(norm, compute_dtype=jnp.float16)
+    muls = [e for e in eqns_named(jax.make_jaxpr(f16)(x, w), "mul") if e.invars[0] is e.invars[1]]
+    assert muls and all(e.outvars[0].aval.dtype == jnp.float32 for e in muls)
+    np.testing.assert_allclose(f16(x, w), norm(x, w), rtol=1e-3)
+    unit = lambda x, w: (x @ w) / jnp.linalg.norm(x @ w, axis=-1, keepdims=True)  # noqa: E731
+    np.testing.assert_allclose(autocast.amp(unit, compute_dtype=jnp.float16)(x, w), unit(x, w), rtol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [lambda y: jnp.reciprocal(y), lambda y: y ** -1, lambda y: 1.0 / y, lambda y: jnp.divide(1, y)],
+    ids=["reciprocal", "pow -1", "1.0 / y", "divide"],
+)
+def test_every_spelling_of_one_over_x_is_float32(spelling):
+    x, w = jnp.full((2, 8), 1e-6), jnp.eye(8) * 10  # x @ w is 1e-5: its reciprocal overflows float16
+    f = lambda x, w: spelling(x @ w)  # noqa: E731
+    got = autocast.amp(f, compute_dtype=jnp.float16)(x, w)
+    # finite, and as exact as the float16 product (a subnormal there) allows
+    assert bool(jnp.all(jnp.isfinite(got)))
+    product = x.astype(jnp.float16) @ w.astype(jnp.float16)
+    np.testing.assert_allclose(got, 1 / product.astype(jnp.float32), rtol=1e-3)

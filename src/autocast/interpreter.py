@@ -139,12 +139,27 @@ def decide_by_scope(eqn: Any, ctx: Context) -> PrecisionFn | None:
     return None
 
 
+_MUL = _compat.primitive_by_name("mul")
+_SQUARE = _compat.primitive_by_name("square")
+
+
+def _policy_key(eqn: Any) -> Any:
+    """The primitive whose policy entry decides ``eqn``: ``x * x`` is a square, whichever way
+    the program spelt it (``jnp.linalg.norm`` writes ``x * x``), and is decided as one."""
+    prim = eqn.primitive
+    if prim is _MUL and _SQUARE is not None:
+        a, b = eqn.invars
+        if a is b and not isinstance(a, _compat.Literal):
+            return _SQUARE
+    return prim
+
+
 def decide(eqn: Any, ctx: Context) -> PrecisionFn:
     """The precision function for ``eqn``: outermost matching scope, primitive, amp_default."""
     rule = decide_by_scope(eqn, ctx)
     if rule is not None:
         return rule
-    rule = ctx.policy.get(eqn.primitive)
+    rule = ctx.policy.get(_policy_key(eqn))
     if rule is None:
         rule = ctx.policy.get("amp_default", use_original_precision)
     return rule

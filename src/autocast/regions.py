@@ -340,6 +340,8 @@ def _activation_dtype(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> 
 def float32_inputs(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> tuple[bool, bool]:
     """Whether a float32 data input of ``eqn`` is full-size (a float32 stream), and whether
     one is smaller than the result (a statistic broadcast over it)."""
+    if not eqn.outvars:  # jax.debug.print, a checkify check: no result to size against
+        return False, False
     shape = tuple(eqn.outvars[0].aval.shape)
     stream = statistic = False
     for x, yes in zip(invals, data):

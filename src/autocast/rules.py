@@ -303,17 +303,19 @@ def is_compute_rule(rule: Any) -> bool:
 # The float32 rows of the table: float32 for a float32 program, never narrower than the program.
 use_float32_precision = use_full_precision
 
-# Exponents whose powers stay in the input dtype: the identity, reciprocals and cubes (the
-# tanh-GELU's ``x ** 3`` runs on the widest activations of a transformer). Squares go to
-# float32 with ``square`` (see its row), higher powers because they overflow float16.
-_INPUT_PRECISION_EXPONENTS = frozenset({-3, -1, 0, 1, 3})
+# Exponents whose powers stay in the input dtype: the identity and cubes (the tanh-GELU's
+# ``x ** 3`` runs on the widest activations of a transformer). Squares go to float32 with
+# ``square`` (see its row), higher powers because they overflow float16, negative ones as
+# every spelling of 1/x does (``1.0 / x`` is float32 in a region): a small activation's
+# reciprocal overflows float16.
+_INPUT_PRECISION_EXPONENTS = frozenset({0, 1, 3})
 
 
 def use_precision_by_exponent(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
-    """``integer_pow``: input precision for cubes and reciprocals; float32 for squares (like
-    ``square``) and for powers of 4 and more, never narrower than the program.
+    """``integer_pow``: input precision for cubes; float32 for squares (like ``square``),
+    reciprocals (like ``1.0 / x``) and powers of 4 and more, never narrower than the program.
 
     >>> import autocast, jax.numpy as jnp
     >>> from autocast.rules import use_precision_by_exponent
@@ -406,8 +408,8 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     (
         "integer_pow",
         use_precision_by_exponent,
-        "input dtype for cubes and reciprocals (tanh-GELU); float32 for squares, as `square`,"
-        " and for powers of 4 and more, which overflow float16",
+        "input dtype for cubes (tanh-GELU); float32 for squares, as `square`, for negative"
+        " powers, as every spelling of 1/x, and for powers of 4 and more, which overflow float16",
     ),
     ("erf", use_float32_precision, _SPECIAL),
     ("erfc", use_float32_precision, _SPECIAL),
