@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import autocast
+from autocast import _measure
 from conftest import jaxpr_of, operand_dtypes, require
 
 BF16 = jnp.bfloat16
@@ -106,3 +107,46 @@ def test_haiku_conv_net():
         return jnp.mean(net.apply(params, x) ** 2)
 
     _check(loss, params, x)
+
+
+def _equinox_layers():
+    eqx = require("equinox")
+    k = jax.random.split(jax.random.key(7), 8)
+    x = jax.random.normal(k[0], (4, 16))
+    img = jax.random.normal(k[1], (3, 8, 8))
+    return eqx, [
+        ("Linear", eqx.nn.Linear(16, 16, key=k[2]), lambda m: jax.vmap(m)(x)),
+        ("MLP", eqx.nn.MLP(16, 8, 32, 2, key=k[2]), lambda m: jax.vmap(m)(x)),
+        ("MultiheadAttention", eqx.nn.MultiheadAttention(4, 16, key=k[3]), lambda m: m(x, x, x)),
+        ("Dropout(0.0)", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[4]), eqx.nn.Dropout(0.0)]),
+         lambda m: jax.vmap(m)(x)),
+        ("Dropout inference", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[4]), eqx.nn.Dropout(0.3, inference=True)]),
+         lambda m: jax.vmap(m)(x)),
+        ("LayerNorm", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[5]), eqx.nn.LayerNorm(16)]),
+         lambda m: jax.vmap(m)(x)),
+        ("RMSNorm", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[5]), eqx.nn.RMSNorm(16)]),
+         lambda m: jax.vmap(m)(x)),
+        ("GroupNorm", eqx.nn.Sequential([eqx.nn.Conv2d(3, 8, 3, key=k[6]), eqx.nn.GroupNorm(4, 8)]),
+         lambda m: m(img)),
+        ("Embedding", eqx.nn.Embedding(10, 16, key=k[7]), lambda m: jax.vmap(m)(jnp.arange(6))),
+        ("GRUCell", eqx.nn.GRUCell(16, 16, key=k[3]), lambda m: m(x[0], x[1])),
+    ]
+
+
+def test_equinox_stock_layers_under_amp():
+    eqx, layers = _equinox_layers()
+    for name, model, apply in layers:
+        loss = lambda m: jnp.mean(apply(m).astype(jnp.float32) ** 2)  # noqa: E731
+        value, grads = eqx.filter_value_and_grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))(model)
+        want, want_grads = eqx.filter_value_and_grad(loss)(model)
+        np.testing.assert_allclose(value, want, rtol=3e-2, err_msg=name)
+        got_leaves = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array))
+        want_leaves = jax.tree_util.tree_leaves(eqx.filter(want_grads, eqx.is_array))
+        assert [g.dtype for g in got_leaves] == [w.dtype for w in want_leaves], name
+        assert _measure.relative_error(got_leaves, want_leaves) < 0.06, name
+        params, static = eqx.partition(model, eqx.is_array)
+        amp_loss = autocast.amp(loss, compute_dtype=jnp.bfloat16)
+        jaxpr = jax.make_jaxpr(lambda p: amp_loss(eqx.combine(p, static)))(params)
+        products = operand_dtypes(jaxpr, "dot_general") + operand_dtypes(jaxpr, "conv_general_dilated")
+        if name != "Embedding":
+            assert products and all(d == ("bfloat16", "bfloat16") for d in products), name

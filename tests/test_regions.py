@@ -325,3 +325,24 @@ def test_per_example_gradients_under_vmap_keep_the_bias_add_16_bit():
     assert ("bfloat16", "bfloat16") in operand_dtypes(jaxpr, "add")
     grads = per_example(p, X)
     assert grads["b"].dtype == F32 and grads["b"].shape == (16, 64)
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        lambda h: jnp.mean(h.mean(axis=1) ** 2),
+        lambda h: jnp.sum(jnp.exp(h.sum(axis=(1, 2)) / 1e3)),
+        lambda h: jnp.mean(jnp.log1p(jnp.abs(h.mean(axis=1)))),
+    ],
+    ids=["mean then square", "sum then exp", "mean then log1p"],
+)
+def test_a_region_never_keeps_more_than_float32(pool):
+    # a mean's backward needs no input: summing an activation must not keep it
+    w = jax.random.normal(jax.random.key(0), (64, 256)) / 8
+    x = jax.random.normal(jax.random.key(1), (32, 16, 64))
+    loss = lambda w, x: pool(jax.nn.relu(x @ w))  # noqa: E731
+    f32 = _measure.residual_bytes(loss, w, x, include_inputs=False)
+    amp = _measure.residual_bytes(autocast.amp(loss, compute_dtype=jnp.bfloat16), w, x, include_inputs=False)
+    assert amp <= 0.8 * f32
+    got = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))(w, x)
+    assert _measure.relative_error(got, jax.grad(loss)(w, x)) < 0.03

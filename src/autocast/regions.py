@@ -202,6 +202,46 @@ def _is_constant(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic, int, float, bool))
 
 
+# What a region may do to an input that float32's backward pass does not keep: sum it (its
+# derivative is a broadcast of the cotangent), after moving or casting it.
+_SUMMED = frozenset({"reduce_sum"})
+_PASSED = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose"})
+
+
+def _only_summed(root: Wide, resolved: dict[int, Any]) -> bool:
+    """Whether every input of the region is only summed, through casts and reshapes (a mean
+    before pooling, a loss's mean). Its backward pass then needs none of its inputs, so it
+    is emitted as plain float32 arithmetic, which keeps what float32 keeps, and not as a
+    checkpoint, which would keep the whole activation."""
+    users: dict[int, list[Wide]] = {}
+    nodes: dict[int, Wide] = {}
+
+    def visit(node: Wide) -> None:
+        if id(node) in nodes:
+            return
+        nodes[id(node)] = node
+        for arg in node.args:
+            arg = resolved.get(id(arg), arg)
+            if isinstance(arg, Wide):
+                users.setdefault(id(arg), []).append(node)
+                visit(arg)
+
+    visit(root)
+
+    def summed(node: Wide) -> bool:
+        name = node.eqn.primitive.name
+        if name in _SUMMED:
+            return True
+        return name in _PASSED and node is not root and all(summed(u) for u in users.get(id(node), ()))
+
+    for node in nodes.values():
+        for arg in node.args:
+            arg = resolved.get(id(arg), arg)
+            if not isinstance(arg, Wide) and not _is_constant(arg) and not summed(node):
+                return False
+    return True
+
+
 def _emit(root: Wide, dtype: np.dtype) -> Any:
     leaves, resolved = _inputs(root)
     position = {id(x): i for i, x in enumerate(leaves)}
@@ -231,6 +271,8 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
             out = evaluate(root)
             return cast_value(out, dtype) if _castable(out, dtype) else out
 
+    if _only_summed(root, resolved):
+        return region(*leaves)
     cache = _traced_regions[-1] if _traced_regions and root.ctx.observer is None else None
     key = _structure(root, position, resolved, leaves, dtype) if cache is not None else None
     if key is None:

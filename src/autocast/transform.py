@@ -10,7 +10,6 @@ import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, overload
 
 import jax
-import jax.numpy as jnp
 
 from autocast import _compat, closures, entry_points, fp8
 from autocast._tree import is_array, is_floating_dtype
@@ -23,10 +22,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Traces kept per amp-wrapped function, most recent last (like jit's cache, but bounded).
 _TRACE_CACHE_SIZE = 64
 
-# Python scalars traced as weakly typed values, as jax.jit traces them: a new learning rate
-# or temperature is a new value, not a new program. int and bool stay static: they pick
-# shapes, axes, loop counts and modes (``train=True``), and amp has no static_argnums.
-_TRACED_SCALARS = (float, complex)
+# Only arrays are traced. Every other leaf, Python floats included, is static, as Equinox's
+# filter_jit keeps it: code may branch on it (``eqx.nn.Dropout(0.0)`` checks ``p == 0`` only
+# for a Python number), so amp never turns it into a tracer the code did not ask for. A new
+# float value is a new trace; a scalar that changes every call (a learning rate, a
+# temperature) passed as an array, or amp called under jax.jit, is traced once.
 
 # While amp traces a function, an amp function called inside it is transparent: the
 # outermost amp's settings decide, as the outermost context does for torch.autocast.
@@ -48,7 +48,7 @@ def _tracing_fn() -> Iterator[None]:
 
 
 def _is_dynamic(x: Any) -> bool:
-    return is_array(x) or type(x) in _TRACED_SCALARS
+    return is_array(x)
 
 
 def _check_policy(amp_policy: Any) -> dict[Any, Callable[..., Any]]:
@@ -236,12 +236,11 @@ class _Amp:
         return traced.rebuild(outs)
 
     def _traced_call(self, args: tuple, kwargs: dict) -> tuple[_Traced, list[Any]]:
-        """The trace for these arguments, and the values its jaxpr takes: the array leaves,
-        and Python floats as the weakly typed arrays jax.jit would make of them."""
+        """The trace for these arguments, and the values its jaxpr takes: the array leaves."""
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         traced = self._trace(in_tree, leaves, dynamic)
-        return traced, [jnp.asarray(x) if type(x) in _TRACED_SCALARS else x for x in (leaves[i] for i in dynamic)]
+        return traced, [leaves[i] for i in dynamic]
 
 
 def _check_output(fn: Any, out: Any) -> None:
