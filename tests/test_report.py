@@ -142,3 +142,41 @@ def test_report_when_a_key_is_kept_for_the_backward_pass_or_returned():
     assert r.summary["low_precision_flop_share"] == {"forward": 1.0, "backward": 1.0}
     bits = [row for row in r.rows if row.primitive == "random_bits"]
     assert bits and all(row.input_dtypes.startswith("key<") for row in bits)
+
+
+def test_report_on_a_filter_custom_vjp_loss_says_what_it_could_not_measure():
+    eqx = require("equinox")
+
+    @eqx.filter_custom_vjp
+    def layer(vjp_arg, x):
+        (w,) = vjp_arg
+        return jnp.tanh(x @ w)
+
+    @layer.def_fwd
+    def layer_fwd(perturbed, vjp_arg, x):
+        return layer(vjp_arg, x), None
+
+    @layer.def_bwd
+    def layer_bwd(res, g, perturbed, vjp_arg, x):
+        (w,) = vjp_arg
+        y = jnp.tanh(x @ w)
+        return (x.T @ (g * (1 - y**2)),)
+
+    loss = lambda w, x: jnp.sum(layer((w,), x) ** 2)  # noqa: E731
+    w, x = jnp.ones((4, 4)) / 4, jnp.ones((2, 4))
+    assert jax.grad(autocast.amp(loss))(w, x).shape == (4, 4)
+    r = autocast.report(loss, compute_dtype=jnp.bfloat16)(w, x)
+    assert r.summary["low_precision_flop_share"]["forward"] == 1.0
+    assert r.summary["low_precision_flop_share"]["backward"] is not None
+    assert r.summary["backward"].startswith("with respect to the first argument only (RuntimeError")
+    assert "backward" in str(r)
+
+
+def test_report_on_an_equinox_module_argument():
+    eqx = require("equinox")
+    mlp = eqx.nn.MLP(8, 2, 16, 2, key=jax.random.key(0))
+    loss = lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2)  # noqa: E731
+    r = autocast.report(loss, compute_dtype=jnp.bfloat16)(mlp, jnp.ones((4, 8)))
+    assert r.summary["low_precision_flop_share"] == {"forward": 1.0, "backward": 1.0}
+    assert 0 < r.summary["residual_bytes"] < r.summary["residual_bytes_original"]
+    assert "backward" not in r.summary

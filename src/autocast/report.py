@@ -45,7 +45,10 @@ class Report:
     function can be differentiated, ``backward``), ``fp8_flop_share`` likewise for float8
     operands (only where amp runs float8 products), ``casts`` (casts amp added),
     ``residual_bytes`` and ``residual_bytes_original`` (bytes ``jax.vjp`` keeps for the
-    backward pass with and without amp, ``None`` when not differentiable).
+    backward pass with and without amp, ``None`` when not differentiable). The backward
+    pass is taken with respect to the floating-point array leaves of the arguments, as
+    Equinox's filtered transformations take it; where it cannot be (a custom rule that
+    refuses a tangent), ``backward`` says why and the forward figures are still given.
 
     >>> import autocast, jax.numpy as jnp
     >>> r = autocast.report(lambda w: jnp.sum(w @ w), compute_dtype=jnp.bfloat16)(jnp.ones((2, 2)))
@@ -112,18 +115,30 @@ def _cotangent(out: Any) -> Any:
     return np.zeros(out.shape, jax.dtypes.float0)
 
 
+def _over_floats(f: Callable[..., Any], leaves: list, in_tree: Any, floats: list[int]) -> Callable[..., Any]:
+    """``f`` as a function of the floating-point array leaves of its arguments (positions
+    ``floats``), the others held as given, returning its floating-point array outputs: what
+    a gradient can be taken of, as Equinox's filtered transformations take it."""
+
+    def flat(*xs: Any) -> list[Any]:
+        full = list(leaves)
+        for i, x in zip(floats, xs):
+            full[i] = x
+        args, kwargs = jax.tree_util.tree_unflatten(in_tree, full)
+        outs = jax.tree_util.tree_leaves(f(*args, **kwargs))
+        return [y for y in outs if is_array(y) and is_inexact_dtype(y.dtype)]
+
+    return flat
+
+
 def _pullback(f: Callable[..., Any]) -> Callable[..., Any]:
     """``f`` followed by its backward pass, for reading both off one jaxpr."""
 
-    def run_vjp(*args: Any, **kwargs: Any) -> Any:
-        out, vjp_fn = jax.vjp(lambda *a: f(*a, **kwargs), *args)
+    def run_vjp(*args: Any) -> Any:
+        out, vjp_fn = jax.vjp(f, *args)
         return vjp_fn(jax.tree_util.tree_map(_cotangent, out))
 
     return run_vjp
-
-
-def _residual_bytes(f: Callable[..., Any], args: Any, kwargs: Any) -> int:
-    return _measure.residual_bytes(lambda *a: f(*a, **kwargs), *args)
 
 
 def report(
@@ -167,10 +182,24 @@ def report(
         for eqn in _measure.float_casts(amp_jaxpr):
             casts[(eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, _where(eqn))] += 1
 
-        try:
-            both = jax.make_jaxpr(_pullback(amp_fn))(*args, **kwargs)
-        except (TypeError, ValueError):  # not differentiable (integer inputs, ...)
-            both = None
+        every = [i for i in dynamic if is_inexact_dtype(leaves[i].dtype)]
+        first = jax.tree_util.tree_structure(args[:1]).num_leaves if args else 0
+        both = backward = None
+        # with respect to every float; failing that (a custom rule that refuses a tangent for
+        # some argument), to the first argument's, which jax.grad differentiates by default
+        for floats in (every, [i for i in every if i < first]):
+            values = [leaves[i] for i in floats]
+            try:
+                both = jax.make_jaxpr(_pullback(_over_floats(amp_fn, leaves, in_tree, floats)))(*values)
+            except Exception as e:  # noqa: BLE001 - whatever keeps the backward pass from being read
+                message = str(e).splitlines()[0] if str(e) else ""
+                backward = f"not measured: {type(e).__name__}: {message}"
+                continue
+            if floats != every:
+                backward = f"with respect to the first argument only ({backward[len('not measured: '):]})"
+            else:
+                backward = None
+            break
         summary: dict[str, Any] = {
             "low_precision_flop_share": _measure.flop_shares(amp_jaxpr, both, _measure.at_most_bits(16))
         }
@@ -180,8 +209,10 @@ def report(
         summary["casts"] = _measure.count_casts(amp_jaxpr) - _measure.count_casts(original)
         summary["residual_bytes"] = summary["residual_bytes_original"] = None
         if both is not None:
-            summary["residual_bytes"] = _residual_bytes(amp_fn, args, kwargs)
-            summary["residual_bytes_original"] = _residual_bytes(fn, args, kwargs)
+            for key, f in (("residual_bytes", amp_fn), ("residual_bytes_original", fn)):
+                summary[key] = _measure.residual_bytes(_over_floats(f, leaves, in_tree, floats), *values)
+        if backward is not None:
+            summary["backward"] = backward
 
         rows = tuple(
             PrimitiveRow(prim, n, ins, outs, rule)
