@@ -346,3 +346,21 @@ def test_a_region_never_keeps_more_than_float32(pool):
     assert amp <= 0.8 * f32
     got = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))(w, x)
     assert _measure.relative_error(got, jax.grad(loss)(w, x)) < 0.03
+
+
+def test_normalising_with_given_statistics_runs_in_float32():
+    # eval-mode batch norm: running statistics are inputs, not computed from the activation;
+    # the shift by the mean belongs in float32 with the scaling by rsqrt(var), as in training
+    def bn_eval(x, w, mean, var):
+        h = x @ w
+        return jnp.sum(jnp.tanh((h - mean) * jax.lax.rsqrt(var + 1e-5)))
+
+    x, w = jnp.full((8, 16), 1.0), jnp.full((16, 32), 16.03)  # h = 256.5: bfloat16 holds 256
+    mean, var = jnp.full((32,), 256.0), jnp.full((32,), 0.25)
+    f = autocast.amp(bn_eval, compute_dtype=jnp.bfloat16)
+    subs = [e for e in _measure.equations(jax.make_jaxpr(f)(x, w, mean, var)) if e.primitive.name == "sub"]
+    assert subs and all(e.outvars[0].aval.dtype == jnp.float32 for e in subs)
+    # what is left is the bfloat16 matrix product's own rounding of h
+    h16 = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+    want = jnp.sum(jnp.tanh((h16 - mean) * jax.lax.rsqrt(var + 1e-5)))
+    np.testing.assert_allclose(f(x, w, mean, var), want, rtol=1e-5)

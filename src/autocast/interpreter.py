@@ -32,6 +32,7 @@ Every value has a kind that says how much its dtype should count:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -237,15 +238,41 @@ class _Uses:
 
     def feeds_float32(self, var: Any) -> bool:
         if self._float32 is None:
-            self._float32 = frozenset(
+            found = {
                 v
                 for eqn in self._jaxpr.eqns
                 if eqn.primitive.name in regions.ELEMENTWISE
                 and decide(eqn, self._ctx) in regions.WIDENING
                 for v in eqn.invars
                 if not isinstance(v, _compat.Literal)
-            )
+            }
+            self._float32 = frozenset(found | self._normalised())
         return var in self._float32
+
+    def _normalised(self) -> set:
+        """Variables scaled by a statistic the program computed (``* rsqrt(var + eps)`` of
+        given running statistics, an eval-mode batch norm): the shift before it belongs in
+        float32 with the scaling, as it does when the statistics are computed in the step.
+        A statistic is a computed value broadcast against something larger; a parameter
+        broadcast the same way (a layer norm's gain) is not one."""
+        source: dict[Any, Any] = {}
+        computed: set = set()
+        for eqn in self._jaxpr.eqns:
+            if eqn.primitive.name in _STATISTIC_MOVES and not isinstance(eqn.invars[0], _compat.Literal):
+                source[eqn.outvars[0]] = source.get(eqn.invars[0], eqn.invars[0])
+            computed.update(eqn.outvars)
+        found = set()
+        for eqn in self._jaxpr.eqns:
+            if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2:
+                continue
+            size = math.prod(eqn.outvars[0].aval.shape)
+            for this, other in (eqn.invars, eqn.invars[::-1]):
+                if isinstance(other, _compat.Literal) or isinstance(this, _compat.Literal):
+                    continue
+                origin = source.get(other, other)
+                if origin in computed and math.prod(origin.aval.shape) < size:
+                    found.add(this)
+        return found
 
     def feeds_only_compute(self, var: Any) -> bool:
         if self._compute is None:
@@ -270,6 +297,10 @@ class _Uses:
                 if not isinstance(v, _compat.Literal):
                     verdict[v] = verdict.get(v, True) and ok
         return frozenset(v for v, ok in verdict.items() if ok and v not in outputs)
+
+
+# Movements through which a statistic reaches the activation it scales.
+_STATISTIC_MOVES = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "convert_element_type"})
 
 
 def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
