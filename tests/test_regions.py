@@ -348,19 +348,28 @@ def test_a_region_never_keeps_more_than_float32(pool):
     assert _measure.relative_error(got, jax.grad(loss)(w, x)) < 0.03
 
 
-def test_normalising_with_given_statistics_runs_in_float32():
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "scale and offset"])
+def test_normalising_with_given_statistics_runs_in_float32(affine):
     # eval-mode batch norm: running statistics are inputs, not computed from the activation;
-    # the shift by the mean belongs in float32 with the scaling by rsqrt(var), as in training
+    # the shift by the mean belongs in float32 with the scaling by rsqrt(var), as in training,
+    # inside a region that stores the result in 16 bits
     def bn_eval(x, w, mean, var):
         h = x @ w
-        return jnp.sum(jnp.tanh((h - mean) * jax.lax.rsqrt(var + 1e-5)))
+        inv = jax.lax.rsqrt(var + 1e-5) * (1.5 if affine else 1.0)
+        return jnp.sum(jnp.tanh((h - mean) * inv + (0.1 if affine else 0.0)))
 
-    x, w = jnp.full((8, 16), 1.0), jnp.full((16, 32), 16.03)  # h = 256.5: bfloat16 holds 256
-    mean, var = jnp.full((32,), 255.3), jnp.full((32,), 0.25)  # bfloat16 would round it to 255
+    f32 = jnp.float32  # (a fill without a dtype makes a weakly typed array)
+    x, w = jnp.full((8, 16), 1.0, f32), jnp.full((16, 32), 16.03, f32)  # h = 256.5: bfloat16 holds 256
+    mean, var = jnp.full((32,), 255.3, f32), jnp.full((32,), 0.25, f32)  # bfloat16 would round it to 255
     f = autocast.amp(bn_eval, compute_dtype=jnp.bfloat16)
-    subs = [e for e in _measure.equations(jax.make_jaxpr(f)(x, w, mean, var)) if e.primitive.name == "sub"]
+    jaxpr = jax.make_jaxpr(f)(x, w, mean, var)
+    subs = [e for e in _measure.equations(jaxpr) if e.primitive.name == "sub"]
     assert subs and all(e.outvars[0].aval.dtype == jnp.float32 for e in subs)
+    # no float32 copy of the activation outside a region
+    assert not [e for e in jaxpr.jaxpr.eqns if e.outvars and e.outvars[0].aval.shape == (8, 32)
+                and e.outvars[0].aval.dtype == jnp.float32]
     # what is left is the bfloat16 matrix product's own rounding of h
     h16 = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
-    want = jnp.sum(jnp.tanh((h16 - mean) * jax.lax.rsqrt(var + 1e-5)))
+    inv, shift = jax.lax.rsqrt(var + 1e-5) * (1.5 if affine else 1.0), 0.1 if affine else 0.0
+    want = jnp.sum(jnp.tanh((h16 - mean) * inv + shift))
     np.testing.assert_allclose(f(x, w, mean, var), want, rtol=1e-5)
