@@ -292,7 +292,7 @@ def test_every_primitive_of_ordinary_models_is_classified(model):
 
 def test_a_product_of_a_value_with_itself_is_a_square():
     # jnp.linalg.norm writes x * x: in float16 an activation of 640 squares to inf
-    x, w = jnp.full((2, 8), 20.0), jnp.eye(8) * 32
+    x, w = jnp.full((2, 8), 20.0, jnp.float32), jnp.eye(8) * 32
     norm = lambda x, w: jnp.linalg.norm(x @ w, axis=-1)  # noqa: E731
     f16 = autocast.amp(norm, compute_dtype=jnp.float16)
     muls = [e for e in eqns_named(jax.make_jaxpr(f16)(x, w), "mul") if e.invars[0] is e.invars[1]]
@@ -308,7 +308,7 @@ def test_a_product_of_a_value_with_itself_is_a_square():
     ids=["reciprocal", "pow -1", "1.0 / y", "divide"],
 )
 def test_every_spelling_of_one_over_x_is_float32(spelling):
-    x, w = jnp.full((2, 8), 1e-6), jnp.eye(8) * 10  # x @ w is 1e-5: its reciprocal overflows float16
+    x, w = jnp.full((2, 8), 1e-6, jnp.float32), jnp.eye(8) * 10  # x @ w is 1e-5: 1 / that overflows float16
     f = lambda x, w: spelling(x @ w)  # noqa: E731
     got = autocast.amp(f, compute_dtype=jnp.float16)(x, w)
     # finite, and as exact as the float16 product (a subnormal there) allows
