@@ -210,3 +210,26 @@ def test_command_line_diagnoses_the_demo_model_and_the_suggestion_cures_it(capsy
     table = rows.index(next(r for r in rows if r.strip().startswith("primitive")))
     assert rows[table + 2].lstrip().startswith("!  mul ")  # flagged, and first in the table
     assert "gradient relative error: inf as given" in out and "(finite)" in out
+
+
+def test_a_loop_that_cannot_converge_in_16_bits_is_reported():
+    # a fixed-point iteration to a tolerance bfloat16 cannot meet: float32 stops early, amp
+    # runs to the step budget and returns what it has
+    def solve(w, x):
+        def going(c):
+            i, h, step = c
+            return (i < 50) & (step > 1e-6)
+
+        def body(c):
+            i, h, _ = c
+            new = jnp.cos(h @ w) * 0.5 + x
+            return i + 1, new, jnp.max(jnp.abs(new - h))
+
+        _, h, _ = jax.lax.while_loop(going, body, (0, x, jnp.float32(1.0)))
+        return jnp.sum(h)
+
+    w = jnp.eye(8) * 0.3
+    x = jnp.linspace(0.1, 0.9, 8)[None]
+    d = autocast.diagnose(solve, compute_dtype=jnp.bfloat16)(w, x)
+    assert d.diverged >= 1
+    assert "control flow left the reference's" in str(d)
