@@ -28,13 +28,19 @@ import autocast
 from autocast import _measure, _models
 from conftest import eqns_named, require
 
-FIELDS = ("patience", "adjust_factor", "scaler", "count", "total_resets")
+JAXAMP_FIELDS = ("patience", "adjust_factor", "scaler", "count", "total_resets")
+# after jaxamp's: the floor and the health counters (autocast.ScalingHealth)
+FIELDS = (*JAXAMP_FIELDS, "min_scaler", "skipped_in_a_row", "steps_at_floor", "zero_grad_steps")
 FIELD_DTYPES = {
     "patience": jnp.int32,
     "adjust_factor": jnp.float32,
     "scaler": jnp.float32,
     "count": jnp.int32,
     "total_resets": jnp.int32,
+    "min_scaler": jnp.float32,
+    "skipped_in_a_row": jnp.int32,
+    "steps_at_floor": jnp.int32,
+    "zero_grad_steps": jnp.int32,
 }
 TINY = np.float32(np.finfo(np.float32).tiny)
 T = jnp.bool_(True)
@@ -47,7 +53,7 @@ AMP_MLP_F16 = autocast.amp(_models.mlp_loss, compute_dtype=jnp.float16)
 def _fields(state):
     """Every field of a DynamicScalerState as a Python number."""
     return {
-        name: (float if name in ("adjust_factor", "scaler") else int)(getattr(state, name))
+        name: (float if name in ("adjust_factor", "scaler", "min_scaler") else int)(getattr(state, name))
         for name in FIELDS
     }
 
@@ -71,7 +77,8 @@ def _assert_same_state(a, b):
 def _sample_state():
     # Every field differs from its default, so a field silently reset to its default shows.
     return autocast.DynamicScalerState(
-        patience=7, adjust_factor=4.0, scaler=2.0**9, count=3, total_resets=5
+        patience=7, adjust_factor=4.0, scaler=2.0**9, count=3, total_resets=5,
+        min_scaler=0.5, skipped_in_a_row=2, steps_at_floor=1, zero_grad_steps=4,
     )
 
 
@@ -99,6 +106,10 @@ def test_defaults_and_storage_dtypes():
         "scaler": 2.0**15,
         "count": 0,
         "total_resets": 0,
+        "min_scaler": 1.0,
+        "skipped_in_a_row": 0,
+        "steps_at_floor": 0,
+        "zero_grad_steps": 0,
     }
     assert float(state.loss_scale) == 2.0**15
 
@@ -140,7 +151,7 @@ def test_scaler_never_becomes_zero_or_inf():
         s = s.adjust(T)
         assert np.isfinite(float(s.scaler)) and float(s.scaler) > 0
     assert float(s.scaler) == np.float32(big)  # growth that would overflow is not taken
-    s = autocast.DynamicScalerState(patience=1, adjust_factor=2.0**20, scaler=1e-30)
+    s = autocast.DynamicScalerState(patience=1, adjust_factor=2.0**20, scaler=1e-30, min_scaler=0.0)
     for _ in range(5):
         s = s.adjust(F)
         assert np.isfinite(float(s.scaler)) and float(s.scaler) > 0
@@ -205,7 +216,8 @@ def test_property_rule_matches_reference_and_dynamic_loss_scale(
     flags, patience, factor, scaler, count, resets
 ):
     state = autocast.DynamicScalerState(
-        patience=patience, adjust_factor=factor, scaler=scaler, count=count, total_resets=resets
+        patience=patience, adjust_factor=factor, scaler=scaler, count=count, total_resets=resets,
+        min_scaler=0.0,  # no floor but float32's smallest normal number, as the reference's
     )
     # The same core behind the jmp face: growth after patience + 1 finite steps, same floor.
     twin = autocast.DynamicLossScale(
@@ -691,16 +703,17 @@ def test_round_trip_jit_and_pytree():
     s = _sample_state()
     _assert_same_state(jax.jit(lambda x: x)(s), s)
     leaves, treedef = jax.tree_util.tree_flatten(s)
-    assert len(leaves) == 5
+    assert len(leaves) == len(FIELDS)
     _assert_same_state(jax.tree_util.tree_unflatten(treedef, leaves), s)
     # Under jit the rule uses the carried fields, not the defaults.
     adjusted = jax.jit(lambda x: x.adjust(F).adjust(F))(s)
     assert _fields(adjusted) == {
         "patience": 7, "adjust_factor": 4.0, "scaler": 2.0**5, "count": 0, "total_resets": 7,
+        "min_scaler": 0.5, "skipped_in_a_row": 2, "steps_at_floor": 1, "zero_grad_steps": 4,
     }
     # Built inside jit from traced values (the constructor may not inspect tracers).
-    built = jax.jit(lambda p, a, sc: autocast.DynamicScalerState(p, a, sc, 3, 5))(
-        jnp.int32(7), jnp.float32(4.0), jnp.float32(2.0**9)
+    built = jax.jit(lambda p, a, sc, lo: autocast.DynamicScalerState(p, a, sc, 3, 5, lo, 2, 1, 4))(
+        jnp.int32(7), jnp.float32(4.0), jnp.float32(2.0**9), jnp.float32(0.5)
     )
     _assert_same_state(built, s)
     # The key paths name the fields (checkpoint libraries save by key).
@@ -808,14 +821,15 @@ def test_training_step_has_no_host_sync(redo_on_nan):
     if redo_on_nan:
         assert "while" in text  # the retry loop is in the program itself
 
-    # The same step with one bad batch, compiled: skipped (params unchanged), scale halved.
+    # The same step with one bad batch, compiled: skipped (params unchanged). A NaN in the
+    # data makes the loss NaN, which no scale cures: no retry, the scale kept.
     jstep = jax.jit(step)
     x_bad = x.at[0, 0].set(jnp.nan)
     new_params, state, _ = jstep(params, autocast.DynamicScalerState(), x_bad, y)
     for a, b in zip(jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert int(state.total_resets) == 1 + redo_on_nan
-    assert float(state.scaler) == 2.0 ** (14 - redo_on_nan)
+    assert int(state.total_resets) == 1 and int(state.skipped_in_a_row) == 1
+    assert float(state.scaler) == 2.0**15
 
 
 # ---- 8. axis_name ---------------------------------------------------------------------------
@@ -845,9 +859,10 @@ def test_axis_name_under_vmap_every_element_decides_alike(redo_on_nan):
         np.asarray(a) for a in (state.scaler, state.total_resets, state.count)
     )
     assert scalers.shape == (4,)
-    # Every element took the "non-finite" decision: same, halved scale; a reset each.
-    np.testing.assert_array_equal(scalers, np.full(4, 2.0 ** (9 - redo_on_nan), np.float32))
-    np.testing.assert_array_equal(resets, np.full(4, 1 + redo_on_nan))
+    # Every element took the "non-finite" decision: a skip each, the scale kept (the loss was
+    # NaN: no smaller scale cures that, so there is no retry either).
+    np.testing.assert_array_equal(scalers, np.full(4, 2.0**10, np.float32))
+    np.testing.assert_array_equal(resets, np.full(4, 1))
     np.testing.assert_array_equal(counts, np.zeros(4))
     # The clean elements' own gradients were finite: the decision is shared, not local.
     g = np.asarray(grads)
@@ -856,7 +871,7 @@ def test_axis_name_under_vmap_every_element_decides_alike(redo_on_nan):
     # Without axis_name each element decides for itself (so the check above can fail).
     state, _ = run(None)
     local = np.asarray(state.total_resets)
-    assert local[2] == 1 + redo_on_nan and local[[0, 1, 3]].tolist() == [0, 0, 0]
+    assert local[2] == 1 and local[[0, 1, 3]].tolist() == [0, 0, 0]
     # Finite elements with count 5 >= patience 5 grew.
     np.testing.assert_array_equal(np.asarray(state.scaler)[[0, 1, 3]], np.full(3, 2.0**11))
 
@@ -878,8 +893,8 @@ def test_axis_name_all_finite_grows_together():
 
 def test_state_is_a_named_tuple():
     s = _sample_state()
-    assert isinstance(s, tuple) and s._fields == FIELDS and len(s) == 5
-    patience, factor, scaler, count, resets = s  # unpacking and iteration
+    assert isinstance(s, tuple) and s._fields == FIELDS and len(s) == len(FIELDS)
+    patience, factor, scaler, count, resets, *_ = s  # unpacking and iteration
     assert (int(patience), float(factor), float(scaler), int(count), int(resets)) == (
         7, 4.0, 2.0**9, 3, 5,
     )
@@ -887,9 +902,10 @@ def test_state_is_a_named_tuple():
     assert s == _sample_state() and s != autocast.DynamicScalerState()
     assert autocast.DynamicScalerState._field_defaults == {
         "patience": 2000, "adjust_factor": 2.0, "scaler": 2.0**15, "count": 0, "total_resets": 0,
+        "min_scaler": 1.0, "skipped_in_a_row": 0, "steps_at_floor": 0, "zero_grad_steps": 0,
     }
-    # Positional order is jaxamp's.
-    _assert_same_state(autocast.DynamicScalerState(7, 4.0, 2.0**9, 3, 5), s)
+    # Positional order is jaxamp's, then the floor and the health counters.
+    _assert_same_state(autocast.DynamicScalerState(7, 4.0, 2.0**9, 3, 5, 0.5, 2, 1, 4), s)
     with pytest.raises(AttributeError):
         s.scaler = jnp.float32(1.0)
     with pytest.raises(AttributeError):

@@ -347,6 +347,119 @@ class DynamicLossScale(LossScale):
         )
 
 
+class ScalingHealth(NamedTuple):
+    """How loss scaling is going, counted on the device (nothing is read by the host):
+
+    - ``skipped_in_a_row``: consecutive steps skipped for non-finite gradients or loss;
+    - ``steps_at_floor``: consecutive steps that ended with the scale at its floor, where a
+      smaller scale cannot help any more;
+    - ``zero_grad_steps``: steps whose finite gradients were all exactly zero, what a scale
+      too small for float16 gradients leaves (they underflow).
+
+    Carried by :class:`autocast.DynamicScalerState` (as its fields) and by
+    ``autocast.optax.dynamic_loss_scaling``'s state; :func:`stalled` reads them.
+    """
+
+    skipped_in_a_row: Any = 0
+    steps_at_floor: Any = 0
+    zero_grad_steps: Any = 0
+
+
+def next_health(health: ScalingHealth, *, finite: Any, at_floor: Any, zero: Any) -> ScalingHealth:
+    """The health counters after one step (not one attempt: retries within a step count
+    once), given whether its gradients were finite, whether the scale ended at its floor,
+    and whether the gradients were all zero. Every face of the library updates them here."""
+    i32 = jnp.int32
+    return ScalingHealth(
+        jnp.where(finite, 0, jnp.asarray(health.skipped_in_a_row, i32) + 1).astype(i32),
+        jnp.where(at_floor, jnp.asarray(health.steps_at_floor, i32) + 1, 0).astype(i32),
+        (jnp.asarray(health.zero_grad_steps, i32) + (finite & zero).astype(i32)).astype(i32),
+    )
+
+
+def _health_of(state: Any) -> ScalingHealth:
+    if isinstance(state, ScalingHealth):
+        return state
+    health = getattr(state, "health", None)  # autocast.optax's state
+    if isinstance(health, ScalingHealth):
+        return health
+    if all(hasattr(state, f) for f in ScalingHealth._fields):  # DynamicScalerState
+        return ScalingHealth(*(getattr(state, f) for f in ScalingHealth._fields))
+    raise TypeError(
+        "expected a DynamicScalerState, an autocast.optax dynamic_loss_scaling state or a "
+        f"ScalingHealth, got {type(state).__name__}"
+    )
+
+
+def stalled(
+    state: Any,
+    *,
+    max_skipped_in_a_row: int = 10,
+    max_steps_at_floor: int = 200,
+    max_zero_grad_steps: int = 10,
+) -> jax.Array:
+    """A boolean scalar, on the device: has loss scaling stopped training?
+
+    True when more than ``max_skipped_in_a_row`` steps in a row were skipped, the scale has
+    sat at its floor for more than ``max_steps_at_floor`` steps, or more than
+    ``max_zero_grad_steps`` steps had all-zero gradients. ``state`` is a
+    :class:`DynamicScalerState`, the state of ``autocast.optax.dynamic_loss_scaling`` or a
+    :class:`ScalingHealth`. Nothing is read by the host: branch on it with ``lax.cond``,
+    fail with :func:`check_not_stalled` under ``checkify``, or read it every N steps.
+
+    >>> import autocast, jax.numpy as jnp
+    >>> state = autocast.DynamicScalerState(skipped_in_a_row=11)
+    >>> autocast.stalled(state), autocast.stalled(state, max_skipped_in_a_row=20)
+    (Array(True, dtype=bool), Array(False, dtype=bool))
+    """
+    h = _health_of(state)
+    return (
+        (jnp.asarray(h.skipped_in_a_row) > max_skipped_in_a_row)
+        | (jnp.asarray(h.steps_at_floor) > max_steps_at_floor)
+        | (jnp.asarray(h.zero_grad_steps) > max_zero_grad_steps)
+    )
+
+
+def check_not_stalled(state: Any, **limits: int) -> None:
+    """Fails the step, through ``jax.experimental.checkify``, when :func:`stalled` holds
+    (with the same ``limits``): wrap the train step in ``checkify.checkify`` and call
+    ``err.throw()`` where the host looks anyway. The message gives the three counters.
+
+    >>> import autocast, jax, jax.numpy as jnp
+    >>> from jax.experimental import checkify
+    >>> def step(state):
+    ...     autocast.check_not_stalled(state, max_skipped_in_a_row=3)
+    ...     return state.scaler
+    >>> err, _ = checkify.checkify(step)(autocast.DynamicScalerState(skipped_in_a_row=4))
+    >>> err.get()
+    'loss scaling stalled: 4 steps skipped in a row, 0 at the scale floor, 0 with all-zero gradients...'
+    """
+    from jax.experimental import checkify
+
+    h = _health_of(state)
+    checkify.check(
+        ~stalled(h, **limits),
+        "loss scaling stalled: {a} steps skipped in a row, {b} at the scale floor, "
+        "{c} with all-zero gradients",
+        a=jnp.asarray(h.skipped_in_a_row), b=jnp.asarray(h.steps_at_floor), c=jnp.asarray(h.zero_grad_steps),
+    )
+
+
+def all_zero(tree: Any) -> jax.Array:
+    """One boolean scalar: are all floating-point leaves of ``tree`` exactly zero? (True for
+    a tree with none.)
+
+    >>> import autocast, jax.numpy as jnp
+    >>> from autocast.loss_scale import all_zero
+    >>> all_zero({"a": jnp.zeros(3), "b": jnp.array([0.0, -0.0])}), all_zero(jnp.ones(1))
+    (Array(True, dtype=bool), Array(False, dtype=bool))
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact_array(x)]
+    if not leaves:
+        return jnp.array(True)
+    return functools.reduce(jnp.logical_and, [(x == 0).all() for x in leaves])
+
+
 def all_finite(tree: Any) -> jax.Array:
     """One boolean scalar: are all floating-point leaves of ``tree`` free of inf and NaN?
 

@@ -9,6 +9,7 @@ skipped steps. The skipping is ``optax.apply_if_finite``'s; the scale rule is th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -17,7 +18,16 @@ import optax
 from jax import lax
 
 from autocast._tree import is_inexact_dtype
-from autocast.loss_scale import DynamicLossScale, LossScale, all_finite
+from autocast.loss_scale import (
+    _FLOAT32_TINY,
+    DynamicLossScale,
+    LossScale,
+    ScalingHealth,
+    all_finite,
+    all_zero,
+    next_health,
+)
+from autocast.scaler import DynamicScalerState
 
 # Marks the update function of every transformation dynamic_loss_scaling builds, so that
 # wrapping one in another (which would unscale the gradients twice) is refused at once.
@@ -28,28 +38,41 @@ _NEVER = int(jnp.iinfo(jnp.int32).max)
 
 
 class LossScalingState(NamedTuple):
-    """State of :func:`dynamic_loss_scaling`: the loss scale and ``apply_if_finite``'s state
-    (which holds the inner optimizer's state and the count of skipped steps)."""
+    """State of :func:`dynamic_loss_scaling`: the loss scale, ``apply_if_finite``'s state
+    (which holds the inner optimizer's state and the count of skipped steps) and the
+    :class:`autocast.ScalingHealth` counters that :func:`autocast.stalled` reads."""
 
     loss_scale: Any
     inner: optax.ApplyIfFiniteState
+    health: ScalingHealth = ScalingHealth()
 
 
 def dynamic_loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: Any = None,
     *,
+    min_loss_scale: Any = None,
     axis_name: Any = None,
 ) -> optax.GradientTransformation:
     """Wraps ``inner`` so it takes gradients of the *scaled* loss and handles the scale.
 
     ``loss_scale`` is the initial scale object (default ``DynamicLossScale(2**15)``); any
     :class:`autocast.LossScale` (``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale``
-    or ``DynamicScalerState``). Read the current one with :func:`loss_scale_of` to scale the
-    loss. With ``axis_name``, every device under ``pmap``/``shard_map`` takes the same skip
-    decision and so keeps the same scale. Wrap an optimizer once: an ``inner`` that already
-    contains ``dynamic_loss_scaling`` (directly, or inside ``optax.chain``, found at ``init``)
-    raises ``TypeError``, since its gradients would be unscaled twice.
+    or ``DynamicScalerState``). ``min_loss_scale`` sets the floor a dynamic scale never goes
+    below (default: the scale object's own, 1 for both dynamic kinds). Read the current scale
+    with :func:`loss_scale_of` to scale the loss. With ``axis_name``, every device under
+    ``pmap``/``shard_map`` takes the same skip decision and so keeps the same scale. The
+    state counts consecutive skipped steps, steps at the floor and all-zero gradient steps
+    (:class:`autocast.ScalingHealth`); :func:`autocast.stalled` and
+    :func:`autocast.check_not_stalled` read them. Wrap an optimizer once: an ``inner`` that
+    already contains ``dynamic_loss_scaling`` (directly, or inside ``optax.chain``, found at
+    ``init``) raises ``TypeError``, since its gradients would be unscaled twice.
+
+    Gradients of a loss that was never scaled cannot be told from scaled ones here (this
+    wrapper never sees the loss): their unscaled values are smaller by the scale, and with a
+    learning rate tuned for them training crawls. Scale the loss with ``loss_scale_of(state)``
+    inside the differentiated function, or use ``autocast.dynamic_scale_value_and_grad``,
+    which scales it for you.
 
     >>> import autocast.optax, jax, jax.numpy as jnp, optax
     >>> tx = autocast.optax.dynamic_loss_scaling(optax.sgd(0.1))
@@ -77,6 +100,8 @@ def dynamic_loss_scaling(
             "loss_scale must be an autocast.LossScale (DynamicLossScale, StaticLossScale, "
             f"NoOpLossScale or DynamicScalerState), got {type(loss_scale).__name__}"
         )
+    if min_loss_scale is not None:
+        loss_scale = _with_floor(loss_scale, min_loss_scale)
     skipping = optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
 
     def init(params: Any) -> LossScalingState:
@@ -87,7 +112,7 @@ def dynamic_loss_scaling(
                 "dynamic_loss_scaling (e.g. inside optax.chain): the gradients would be "
                 "unscaled twice; use it once, as the outermost wrapper"
             )
-        return LossScalingState(loss_scale, inner_state)
+        return LossScalingState(loss_scale, inner_state, ScalingHealth(*[jnp.zeros((), jnp.int32)] * 3))
 
     def update(grads: Any, state: LossScalingState, params: Any = None) -> tuple[Any, LossScalingState]:
         grads = state.loss_scale.unscale(grads)
@@ -106,10 +131,30 @@ def dynamic_loss_scaling(
         updates = jax.tree_util.tree_map(
             lambda u: jnp.where(finite, u, jnp.negative(jnp.zeros_like(u))), updates
         )
-        return updates, LossScalingState(state.loss_scale.adjust(finite), inner_state)
+        loss_scale = state.loss_scale.adjust(finite)
+        health = next_health(state.health, finite=finite, at_floor=_at_floor(loss_scale), zero=all_zero(grads))
+        return updates, LossScalingState(loss_scale, inner_state, health)
 
     setattr(update, _MARK, True)
     return optax.GradientTransformation(init, update)
+
+
+def _with_floor(loss_scale: Any, floor: Any) -> Any:
+    if isinstance(loss_scale, DynamicLossScale):
+        return dataclasses.replace(loss_scale, min_loss_scale=floor)
+    if isinstance(loss_scale, DynamicScalerState):
+        return loss_scale._replace(min_scaler=floor)
+    raise TypeError(
+        f"min_loss_scale applies to a dynamic loss scale, not to a {type(loss_scale).__name__}"
+    )
+
+
+def _at_floor(loss_scale: Any) -> jax.Array:
+    """Whether a dynamic scale sits at its floor (a fixed one never moves: never at it)."""
+    floor = getattr(loss_scale, "min_loss_scale", None)
+    if floor is None:
+        return jnp.bool_(False)
+    return loss_scale.loss_scale <= jnp.maximum(jnp.asarray(floor, jnp.float32), _FLOAT32_TINY)
 
 
 def _states_in(state: Any) -> list[LossScalingState]:

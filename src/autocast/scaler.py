@@ -10,6 +10,7 @@ is data.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, NamedTuple
@@ -22,7 +23,9 @@ from jax import lax
 from autocast._tree import is_array, is_inexact_array, is_inexact_dtype
 from autocast.loss_scale import (
     _FLOAT32_TINY,
+    DynamicLossScale,
     LossScale,
+    ScalingHealth,
     _check_finite_flag,
     _checked_count,
     _checked_scale,
@@ -30,7 +33,10 @@ from autocast.loss_scale import (
     _register,
     _widened_product,
     all_finite,
+    all_zero,
+    next_health,
     next_loss_scale,
+    select_tree,
 )
 
 # The keyword that carries the state into the function handed to a gradient transformation;
@@ -44,6 +50,11 @@ class _ScalerStateFields(NamedTuple):
     scaler: Any = 2.0**15
     count: Any = 0
     total_resets: Any = 0
+    # not jaxamp's: a floor (jmp's min_loss_scale) and the health counters (ScalingHealth)
+    min_scaler: Any = 1.0
+    skipped_in_a_row: Any = 0
+    steps_at_floor: Any = 0
+    zero_grad_steps: Any = 0
 
 
 def _state_from_leaves(cls: type, values: tuple) -> Any:
@@ -58,10 +69,14 @@ class DynamicScalerState(_ScalerStateFields, LossScale):
     After a step whose gradients are finite, ``count`` goes up by one, unless it had already
     reached ``patience``: then ``scaler`` is multiplied by ``adjust_factor`` and ``count``
     restarts. After a step with inf or NaN gradients ``scaler`` is divided by
-    ``adjust_factor``, ``count`` restarts and ``total_resets`` goes up by one. The scaler is
-    float32 and never becomes 0 or inf. As in ``jaxamp`` it is a ``NamedTuple`` (unpacking,
-    ``_replace``, ``_asdict``); the constructor and ``_replace`` check and convert every field
-    (int32 counts, float32 factor and scaler).
+    ``adjust_factor``, never below ``min_scaler`` (1 by default, as jmp's
+    ``min_loss_scale``), ``count`` restarts and ``total_resets`` goes up by one. The scaler is
+    float32 and never becomes 0 or inf. As in ``jaxamp`` it is a ``NamedTuple`` (``_replace``,
+    ``_asdict``); the constructor and ``_replace`` check and convert every field (int32
+    counts, float32 factor, scaler and floor). Beyond jaxamp's fields it carries the floor and
+    the :class:`autocast.ScalingHealth` counters (``skipped_in_a_row``, ``steps_at_floor``,
+    ``zero_grad_steps``), updated once per step by :func:`dynamic_scale_value_and_grad`
+    and read by :func:`autocast.stalled`.
 
     >>> import autocast, jax.numpy as jnp
     >>> state = autocast.DynamicScalerState(patience=1, scaler=8.0)
@@ -83,17 +98,30 @@ class DynamicScalerState(_ScalerStateFields, LossScale):
         scaler: Any = 2.0**15,
         count: Any = 0,
         total_resets: Any = 0,
+        min_scaler: Any = 1.0,
+        skipped_in_a_row: Any = 0,
+        steps_at_floor: Any = 0,
+        zero_grad_steps: Any = 0,
     ) -> DynamicScalerState:
         adjust_factor = _checked_scale(adjust_factor, "adjust_factor")
         factor = _concrete(adjust_factor)
         if factor is not None and factor <= 1:
             raise ValueError(f"adjust_factor must be greater than 1, got {factor}")
+        scaler = _checked_scale(scaler, "scaler")
+        min_scaler = _checked_scale(min_scaler, "min_scaler", allow_zero=True)
+        lo, hi = _concrete(min_scaler), _concrete(scaler)
+        if lo is not None and hi is not None and hi < lo:
+            raise ValueError(f"scaler ({hi}) is below min_scaler ({lo}); pass a smaller min_scaler")
         values = (
             _checked_count(patience, "patience", minimum=1),
             adjust_factor,
-            _checked_scale(scaler, "scaler"),
+            scaler,
             _checked_count(count, "count", minimum=0),
             _checked_count(total_resets, "total_resets", minimum=0),
+            min_scaler,
+            _checked_count(skipped_in_a_row, "skipped_in_a_row", minimum=0),
+            _checked_count(steps_at_floor, "steps_at_floor", minimum=0),
+            _checked_count(zero_grad_steps, "zero_grad_steps", minimum=0),
         )
         return tuple.__new__(cls, values)
 
@@ -122,20 +150,22 @@ class DynamicScalerState(_ScalerStateFields, LossScale):
         count = jnp.asarray(self.count, jnp.int32)
         resets = jnp.asarray(self.total_resets, jnp.int32)
         # jaxamp grows once `count` has reached `patience` before this step: in the shared
-        # rule's terms, after `patience + 1` consecutive finite steps. It has no floor of its
-        # own; the rule's smallest-normal-float32 floor keeps it off zero.
+        # rule's terms, after `patience + 1` consecutive finite steps.
         update = next_loss_scale(
-            finite, scaler, count, self.patience + 1, self.adjust_factor, _FLOAT32_TINY
+            finite, scaler, count, self.patience + 1, self.adjust_factor, self.min_scaler
         )
-        return self._make(
-            (
-                self.patience,
-                self.adjust_factor,
-                update.loss_scale,
-                update.counter,
-                resets + (~finite).astype(jnp.int32),
-            )
+        return self._replace_leaves(
+            scaler=update.loss_scale, count=update.counter, total_resets=resets + (~finite).astype(jnp.int32)
         )
+
+    def _replace_leaves(self, **changes: Any) -> DynamicScalerState:
+        # No checks: inside a traced step the fields are tracers the checks cannot read.
+        return self._make(tuple(changes.get(f, v) for f, v in zip(self._fields, self)))
+
+    @property
+    def min_loss_scale(self) -> jax.Array:
+        """The floor (``min_scaler``), under the name the other loss scales use."""
+        return self.min_scaler  # type: ignore[no-any-return]
 
 
 def _filtered_value_and_grad(
@@ -218,33 +248,67 @@ def _split_static(tree: Any) -> tuple[list, Any, list]:
     return dynamic, treedef, static
 
 
-def _with_retries(
-    attempt: Callable[[Any], tuple[Any, jax.Array]], state: Any, redo_on_nan: int
-) -> tuple[Any, Any]:
-    """Runs ``attempt(state) -> (results, finite)``, adjusts the state, and while the results
-    are not finite retries with the adjusted (smaller) scale, up to ``redo_on_nan`` times,
-    inside the compiled program."""
-    results, finite = attempt(state)
-    state = state.adjust(finite)
-    if not redo_on_nan:
-        return state, results
-    # The loop carries arrays only: non-array leaves of the results are the same every try.
-    dynamic, treedef, static = _split_static(results)
+def _kept(state: Any) -> Any:
+    """``state`` after a step skipped without touching the scale (a non-finite loss, which a
+    smaller scale cannot cure): its count of finite steps restarts, as after any skip."""
+    if isinstance(state, DynamicScalerState):
+        return state._replace_leaves(count=jnp.zeros_like(state.count), total_resets=state.total_resets + 1)
+    if isinstance(state, DynamicLossScale):
+        return dataclasses.replace(state, counter=jnp.zeros_like(state.counter))
+    return state
 
-    def again(carry: tuple) -> Any:
-        _, tries, finite, _ = carry
-        return (~finite) & (tries < redo_on_nan)
 
-    def retry(carry: tuple) -> tuple:
-        state, tries, _, _ = carry
-        now, finite = attempt(state)
-        return state.adjust(finite), tries + 1, finite, _split_static(now)[0]
+def _after_attempt(state: Any, finite: jax.Array, retryable: jax.Array) -> Any:
+    """The state after one attempt: moved by the scaling rule, except that a non-finite
+    loss skips the step without shrinking the scale."""
+    return select_tree(finite | retryable, state.adjust(finite), _kept(state))
 
-    state, _, _, dynamic = lax.while_loop(again, retry, (state, jnp.int32(0), finite, dynamic))
-    results = jax.tree_util.tree_unflatten(
-        treedef, [s if d is None else d for d, s in zip(dynamic, static)]
+
+def _with_health(state: Any, finite: jax.Array, zero: jax.Array) -> Any:
+    """The health counters moved on by one step, for a state that carries them."""
+    if not isinstance(state, DynamicScalerState):
+        return state
+    floor = jnp.maximum(jnp.asarray(state.min_scaler, jnp.float32), _FLOAT32_TINY)
+    health = next_health(
+        ScalingHealth(state.skipped_in_a_row, state.steps_at_floor, state.zero_grad_steps),
+        finite=finite, at_floor=state.scaler <= floor, zero=zero,
     )
-    return state, results
+    return state._replace_leaves(**health._asdict())
+
+
+def _with_retries(
+    attempt: Callable[[Any], tuple[Any, jax.Array, jax.Array, jax.Array]], state: Any, redo_on_nan: int
+) -> tuple[Any, Any]:
+    """Runs ``attempt(state) -> (results, finite, retryable, zero)``, adjusts the state and,
+    while the results are not finite, retries with the adjusted scale, up to ``redo_on_nan``
+    times, inside the compiled program. A retry happens only where it can help: the loss
+    was finite (``retryable``: the gradients overflowed, not the forward pass or the data)
+    and the scale did shrink (it was not at its floor)."""
+    results, finite, retryable, zero = attempt(state)
+    new = _after_attempt(state, finite, retryable)
+    if redo_on_nan:
+        shrunk = new.loss_scale < state.loss_scale
+        # The loop carries arrays only: non-array leaves of the results are the same every try.
+        dynamic, treedef, static = _split_static(results)
+
+        def again(carry: tuple) -> Any:
+            _, tries, finite, retryable, shrunk, _, _ = carry
+            return (~finite) & retryable & shrunk & (tries < redo_on_nan)
+
+        def retry(carry: tuple) -> tuple:
+            state, tries, *_ = carry
+            now, finite, retryable, zero = attempt(state)
+            new = _after_attempt(state, finite, retryable)
+            shrunk = new.loss_scale < state.loss_scale
+            return new, tries + 1, finite, retryable, shrunk, zero, _split_static(now)[0]
+
+        new, _, finite, _, _, zero, dynamic = lax.while_loop(
+            again, retry, (new, jnp.int32(0), finite, retryable, shrunk, zero, dynamic)
+        )
+        results = jax.tree_util.tree_unflatten(
+            treedef, [s if d is None else d for d, s in zip(dynamic, static)]
+        )
+    return _with_health(new, finite, zero), results
 
 
 def _scaled_transform(
@@ -257,12 +321,17 @@ def _scaled_transform(
     redo_on_nan: int,
     axis_name: Any,
     name: str,
+    loss_finite_fn: Callable[[Any], Any] | None = None,
+    grads_fn: Callable[[Any], Any] = lambda results: results,
 ) -> Callable[..., Any]:
     """The one scaling core behind every face of this module.
 
     ``transform`` receives a version of ``fun`` whose output is scaled by ``scale_fn`` and which
     takes the state as the extra keyword ``_dynamic_scaler_state`` (passed as an argument,
     not closed over, so a transformation that compiles is not retraced for every state).
+    ``loss_finite_fn(results)`` says whether the loss was finite, where the face can see it
+    (a non-finite loss is not retried); ``grads_fn(results)`` picks the gradients, whose
+    being all zero the health counters record.
     """
 
     def scaled_fun(*args: Any, **kwargs: Any) -> Any:
@@ -274,12 +343,17 @@ def _scaled_transform(
     def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
         _check_state(dynamic_scaler_state, name)
 
-        def attempt(state: Any) -> tuple[Any, jax.Array]:
+        def attempt(state: Any) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
             results = unscale_fn(transformed(*args, **{_STATE_KEYWORD: state}, **kwargs), state)
             finite = _check_finite_flag(finite_fn(results))
-            if axis_name is not None:
-                finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-            return results, finite
+            retryable = jnp.bool_(True) if loss_finite_fn is None else loss_finite_fn(results)
+            zero = all_zero(grads_fn(results))
+            if axis_name is not None:  # every device takes the same decisions
+                finite, retryable, zero = (
+                    lax.pmin(f.astype(jnp.int32), axis_name).astype(jnp.bool_)
+                    for f in (finite, retryable, zero)
+                )
+            return results, finite, retryable, zero
 
         return _with_retries(attempt, dynamic_scaler_state, redo_on_nan)
 
@@ -441,6 +515,8 @@ def dynamic_scale_value_and_grad(
         redo_on_nan=redo_on_nan,
         axis_name=axis_name,
         name="dynamic_scale_value_and_grad",
+        loss_finite_fn=lambda results: all_finite(results[0][0]),
+        grads_fn=lambda results: results[1],
     )
 
     def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
