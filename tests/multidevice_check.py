@@ -53,6 +53,24 @@ def main() -> None:
     np.testing.assert_allclose(got, sum_fn(parts, jnp.eye(8)), rtol=1e-3)
     print("psum ok")
 
+    # loss scaling under shard_map: one poisoned example on one device; every device takes
+    # the same decision (a skip), and the scale is kept (no smaller scale cures bad data)
+    loss = lambda w, x: jnp.sum(jnp.tanh(x.astype(jnp.float16) @ w.astype(jnp.float16))).astype(jnp.float32)  # noqa: E731
+    grad_fn = autocast.dynamic_scale_value_and_grad(loss, axis_name="d")
+
+    def scaled_step(x, w):
+        state, (_, g) = grad_fn(w, x, dynamic_scaler_state=autocast.DynamicScalerState(scaler=2.0**10))
+        return state.scaler[None], state.skipped_in_a_row[None], g[None]
+
+    step = _compat.shard_map(scaled_step, mesh, (P("d"), P()), (P("d"), P("d"), P("d")))
+    poisoned = x.at[5, 1].set(jnp.inf)  # device 2's rows
+    scalers, skipped, _ = jax.jit(step)(jax.device_put(poisoned, NamedSharding(mesh, P("d"))), w)
+    assert np.asarray(scalers).tolist() == [2.0**10] * 4, scalers
+    assert np.asarray(skipped).tolist() == [1] * 4, skipped
+    scalers, skipped, grads = jax.jit(step)(x_sharded, w)
+    assert np.asarray(skipped).tolist() == [0] * 4 and np.all(np.isfinite(np.asarray(grads)))
+    print("loss scaling ok")
+
     pfn = jax.pmap(lambda xb: jnp.tanh(xb @ w), axis_name="i")
     xs = x.reshape(4, 2, 4)
     amp_p = autocast.amp(pfn, compute_dtype=jnp.bfloat16)

@@ -329,9 +329,10 @@ def _scaled_transform(
     ``transform`` receives a version of ``fun`` whose output is scaled by ``scale_fn`` and which
     takes the state as the extra keyword ``_dynamic_scaler_state`` (passed as an argument,
     not closed over, so a transformation that compiles is not retraced for every state).
-    ``loss_finite_fn(results)`` says whether the loss was finite, where the face can see it
-    (a non-finite loss is not retried); ``grads_fn(results)`` picks the gradients, whose
-    being all zero the health counters record.
+    A step is retried only when a smaller scale can cure it: the arguments were finite (an
+    inf in the batch is not cured by any scale) and, where the face can see it
+    (``loss_finite_fn(results)``), so was the loss. ``grads_fn(results)`` picks the
+    gradients, whose being all zero the health counters record.
     """
 
     def scaled_fun(*args: Any, **kwargs: Any) -> Any:
@@ -343,10 +344,13 @@ def _scaled_transform(
     def wrapped(*args: Any, dynamic_scaler_state: Any = None, **kwargs: Any) -> Any:
         _check_state(dynamic_scaler_state, name)
 
+        # An inf or NaN in the data (or the parameters) is not cured by any scale either.
+        inputs_finite = all_finite((args, kwargs))
+
         def attempt(state: Any) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
             results = unscale_fn(transformed(*args, **{_STATE_KEYWORD: state}, **kwargs), state)
             finite = _check_finite_flag(finite_fn(results))
-            retryable = jnp.bool_(True) if loss_finite_fn is None else loss_finite_fn(results)
+            retryable = inputs_finite if loss_finite_fn is None else inputs_finite & loss_finite_fn(results)
             zero = all_zero(grads_fn(results))
             if axis_name is not None:  # every device takes the same decisions
                 finite, retryable, zero = (
