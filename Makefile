@@ -9,10 +9,12 @@ OLDEST_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null && { echo "$$p"; exit; }; done; \
 	echo $(PYTHON))
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core; TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= auto
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test test-oldest demo bench clean
+.PHONY: test test-fast test-oldest demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +36,15 @@ bench: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The edit-test loop: everything but the tests marked slow (CI runs them all, with make test).
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
-	$(OLDEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) .hypothesis

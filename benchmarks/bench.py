@@ -1,4 +1,4 @@
-"""The benchmark harness (``make bench``): every SPEC 5 and issue 10 measure, side by side.
+"""The benchmark harness (``make bench``): every measure, side by side.
 
 Sections, each a table (``--only`` picks some):
 
@@ -61,7 +61,8 @@ import torch_autocast  # noqa: E402
 import trace_overhead  # noqa: E402
 
 import autocast  # noqa: E402
-from autocast import _models  # noqa: E402
+from autocast._src.demo import models as _models  # noqa: E402
+
 
 def _peak_bytes(compiled: Any) -> int | None:
     """The compiled program's peak memory as XLA plans it: its own figure where the JAX

@@ -14,10 +14,9 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 import autocast
-from autocast import _models
+from autocast._src.demo import models as _models
 
 
 def forms() -> list[tuple[str, Callable[..., Any], tuple]]:

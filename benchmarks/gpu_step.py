@@ -1,4 +1,4 @@
-"""Training-step time, throughput and peak memory at real sizes (SPEC 5): amp against float32,
+"""Training-step time, throughput and peak memory at real sizes: amp against float32,
 a careful hand cast, the framework's own bfloat16 and, optionally, torch.autocast.
 
 Models (``gpu_models.py``): GPT-2 small (12x768) and medium (24x1024) at batch 8 of 1024
@@ -79,12 +79,12 @@ def runs(
 def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any, float]:
     """The jitted AdamW step ``(params, opt_state, i) -> (params, opt_state, loss)``, the
     initial state, and the model FLOPs of one step."""
+    import gpu_models
     import jax
     import jax.numpy as jnp
     import optax
 
     import autocast
-    import gpu_models
 
     if attention == "naive":
         kind = "naive"
@@ -110,12 +110,12 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
 
 
 def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
+    import gpu_models
     import jax
     import jax.numpy as jnp
     import optax
 
     import autocast
-    import gpu_models
 
     dtype = jnp.bfloat16 if variant == "flax bf16" else jnp.float32
     model = gpu_models.ResNet18(config["classes"], config["width"], dtype)
@@ -184,7 +184,6 @@ def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:
 def run_torch(config: dict, variant: str, attention: str, steps: int) -> dict:
     """PyTorch's autocast (bfloat16) on the same GPT, eager or under ``torch.compile``."""
     import torch
-
     import torch_autocast
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

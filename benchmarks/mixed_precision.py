@@ -1,4 +1,4 @@
-"""What amp does to a model, read off its jaxpr (SPEC 5): for a float32 MLP and GPT-style
+"""What amp does to a model, read off its jaxpr: for a float32 MLP and GPT-style
 transformers, compare float32, the same model cast to bfloat16 by hand (float32 layer norm,
 softmax and loss), and amp with bfloat16 compute.
 
@@ -8,7 +8,7 @@ layers, each with and without ``jax.checkpoint`` per layer.
 
 Columns: loss (and its deviation from float32), share of matmul FLOPs with 16-bit operands
 forward and backward, float-to-float casts in the forward and gradient jaxprs, casts that
-round-trip (a -> b -> a), and bytes of the residuals jax.vjp keeps (SPEC 5's activation
+round-trip (a -> b -> a), and bytes of the residuals jax.vjp keeps (the activation
 memory) with ratios to float32 and to the hand-cast model; "act" repeats the two ratios
 leaving out residuals that are arguments passed through unchanged (float32 weights that a
 checkpointed layer needs again): the memory the forward pass adds.
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 import autocast
-from autocast import _measure, _models
+from autocast._src.demo import models as _models
+from autocast._src.tools import measure as _measure
 
 
 def measure(fn, args, reference_loss):

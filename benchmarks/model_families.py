@@ -1,10 +1,10 @@
-"""Activation memory and accuracy of amp across model families, side by side (issue 10).
+"""Activation memory and accuracy of amp across model families, side by side.
 
 For each model: float32; the framework's own bfloat16 (Flax modules built with
 ``dtype=jnp.bfloat16``, float32 parameters); amp with bfloat16 compute. Columns:
 
 - ``act/f32``: bytes of the residuals ``jax.vjp`` keeps, leaving out arguments it keeps as
-  they are (SPEC 5's activation memory), as a ratio to float32's;
+  they are (the activation memory), as a ratio to float32's;
 - ``act/own``: the same against the framework's own bfloat16 model;
 - ``loss dev``: relative deviation of the loss from float32's;
 - ``grad err``: relative L2 error of the gradient (all leaves) against float32's;
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 import autocast
-from autocast import _measure
+from autocast._src.tools import measure as _measure
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _training  # noqa: E402

@@ -1,4 +1,4 @@
-"""A tensor-parallel MLP under amp on 8 simulated CPU devices: what crosses the wire (issue 10).
+"""A tensor-parallel MLP under amp on 8 simulated CPU devices: what crosses the wire.
 
 Megatron-style blocks inside ``shard_map``: the first matrix of each block is split by
 columns, the second by rows, so each device holds a slice of the hidden layer and the block
@@ -36,7 +36,8 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autocast  # noqa: E402
-from autocast import _compat, _measure  # noqa: E402
+from autocast import _compat  # noqa: E402
+from autocast._src.tools import measure as _measure  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _training  # noqa: E402

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import autocast
-from autocast import _measure
+from autocast._src.tools import measure as _measure
 
 BF16 = jnp.bfloat16
 KEYS = jax.random.split(jax.random.key(7), 8)

@@ -1,9 +1,9 @@
-"""The torch.autocast column (issue 10): how much activation memory PyTorch's own mixed
+"""The torch.autocast column: how much activation memory PyTorch's own mixed
 precision saves on the architectures the JAX benchmarks measure, against its float32 run.
 
 Models, written in plain PyTorch with the shapes of their JAX counterparts:
 
-- ``GPT small (demo)`` and ``GPT 4L d128``: the pre-norm GPT of ``autocast._models``
+- ``GPT small (demo)`` and ``GPT 4L d128``: the pre-norm GPT of ``autocast._src.demo.models``
   (learned token and position embeddings, 4 heads, causal mask by ``where``, tanh GELU,
   float32 log-softmax and mean next-token NLL); ``mixed_precision.py``'s "GPT small" (the
   demo's d=64, 2 layers, batch 16 of 32 tokens, with vocab 64) and its "GPT" (vocab 256,
@@ -73,7 +73,7 @@ def _norm(d: int) -> Params:
 
 
 def init_gpt(*, vocab: int, d: int, layers: int, seq: int) -> Params:
-    """Parameters of the shapes ``autocast._models.init_gpt`` gives."""
+    """Parameters of the shapes ``autocast._src.demo.models.init_gpt`` gives."""
     import torch
 
     def block() -> Params:
@@ -146,7 +146,7 @@ def _block(p: Params, x: torch.Tensor, heads: int, attention: str = "naive") -> 
 def gpt_loss(
     params: Params, tokens: torch.Tensor, heads: int = GPT_HEADS, attention: str = "naive"
 ) -> torch.Tensor:
-    """Next-token NLL of the pre-norm GPT, as ``autocast._models.gpt_loss`` computes it;
+    """Next-token NLL of the pre-norm GPT, as ``autocast._src.demo.models.gpt_loss`` computes it;
     ``attention="sdpa"`` runs PyTorch's fused attention instead of the written-out one."""
     import torch
 

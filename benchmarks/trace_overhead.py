@@ -1,4 +1,4 @@
-"""Trace overhead of amp (SPEC 5): wall time of ``jax.jit(amp(f)).lower(...)`` over
+"""Trace overhead of amp: wall time of ``jax.jit(amp(f)).lower(...)`` over
 ``jax.jit(f).lower(...)`` on a 12-layer unrolled GPT-style transformer.
 
 Run: ``.venv/bin/python benchmarks/trace_overhead.py [--layers 12] [--repeats 5]``
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import autocast
-from autocast import _models
+from autocast._src.demo import models as _models
 
 
 def _lower_seconds(make_fn, args) -> float:

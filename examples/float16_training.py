@@ -13,7 +13,24 @@ import jax.numpy as jnp
 import optax
 
 import autocast
-from autocast import _models
+
+
+def init_mlp(key, sizes):
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / jnp.sqrt(a), "b": jnp.zeros(b)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    ]
+
+
+def mlp_loss(params, x, y):
+    """Softmax cross-entropy of a GELU MLP, written in float32."""
+    h = x
+    for i, layer in enumerate(params):
+        h = h @ layer["w"] + layer["b"]
+        if i < len(params) - 1:
+            h = jax.nn.gelu(h)
+    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
 
 
 def make_step(loss_fn, optimizer):
@@ -36,11 +53,11 @@ def make_step(loss_fn, optimizer):
 
 def train(steps: int = 300, seed: int = 0) -> dict:
     key = jax.random.PRNGKey(seed)
-    params = _models.init_mlp(key, (32, 64, 64, 10))
-    teacher = _models.init_mlp(jax.random.PRNGKey(seed + 1), (32, 16, 10))
+    params = init_mlp(key, (32, 64, 64, 10))
+    teacher = init_mlp(jax.random.PRNGKey(seed + 1), (32, 16, 10))
     optimizer = optax.adam(3e-3)
-    amp_loss = autocast.amp(_models.mlp_loss, compute_dtype=jnp.float16)
-    steppers = {"float32": make_step(_models.mlp_loss, optimizer), "float16 amp": make_step(amp_loss, optimizer)}
+    amp_loss = autocast.amp(mlp_loss, compute_dtype=jnp.float16)
+    steppers = {"float32": make_step(mlp_loss, optimizer), "float16 amp": make_step(amp_loss, optimizer)}
     runs = {name: (params, optimizer.init(params), autocast.DynamicScalerState()) for name in steppers}
     history = {name: [] for name in steppers}
     for step in range(steps):

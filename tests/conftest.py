@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 import pytest
 
-from autocast import _measure
+from autocast._src.tools import measure as _measure
 
 
 def eqns_named(jaxpr: Any, name: str) -> list[Any]:

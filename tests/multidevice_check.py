@@ -6,10 +6,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import autocast
-from autocast import _compat, _measure
+from autocast import _compat
+from autocast._src.tools import measure as _measure
 
 
 def dot_dtypes(jaxpr):

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import load_script
 
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
+
 bench = load_script(Path(__file__).parents[1] / "benchmarks" / "bench.py")
 
 

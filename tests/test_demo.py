@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 
-from autocast import demo
+import pytest
+
+import autocast
+from autocast._src.demo import run as demo
 
 
+@pytest.mark.slow
 def test_demo_runs_and_writes_table_plot_and_figures(tmp_path, capsys):
     results = demo.run(steps=12, out=tmp_path)
     printed = capsys.readouterr().out
@@ -51,3 +56,19 @@ def test_command_line_passes_steps_and_folder(tmp_path, monkeypatch, capsys):
     __main__.main(["demo", "--steps", "3", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert f"run steps=3 out={tmp_path}" in printed and f"written to {tmp_path}/" in printed
+
+
+def test_command_line_version_defaults_and_missing_extra(monkeypatch, capsys):
+    from autocast import __main__
+
+    with pytest.raises(SystemExit):
+        __main__.main(["--version"])
+    assert capsys.readouterr().out.strip() == f"jax-autocast {autocast.__version__}"
+    with pytest.raises(SystemExit):
+        __main__.main(["diagnose", "--help"])
+    assert "(default: float16)" in capsys.readouterr().out
+    # without the demo extra: a clear message naming it, not a ModuleNotFoundError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"needs optax.*pip install 'jax-autocast\[demo\]'"):
+        __main__.main(["diagnose"])

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 
 import autocast
-from autocast import _models
+from autocast._src.demo import models as _models
 from conftest import DETERMINISTIC
 
 HERE = __file__
@@ -84,6 +84,7 @@ def test_catastrophic_cancellation_has_the_largest_added_error_on_its_line():
     assert d.first_nonfinite is None
 
 
+@pytest.mark.slow
 def test_backward_pass_of_a_scanned_model_under_jit_grad():
     key = jax.random.key(2)
     params = _models.stack_blocks(_models.init_gpt(key, vocab=13, d=16, layers=2, seq=8))
@@ -107,6 +108,7 @@ def test_backward_pass_of_a_scanned_model_under_jit_grad():
     assert 0 < d.output_error < 0.05
 
 
+@pytest.mark.slow
 def test_reference_is_the_float32_program_and_float32_compute_adds_nothing():
     key = jax.random.key(3)
     params = _models.init_gpt(key, vocab=13, d=16, layers=1, seq=8)
@@ -200,6 +202,7 @@ def test_bad_input_names_the_culprit():
         autocast.diagnose(jnp.sin, amp_policy=[1])
 
 
+@pytest.mark.slow
 def test_command_line_diagnoses_the_demo_model_and_the_suggestion_cures_it(capsys):
     from autocast.__main__ import main
 

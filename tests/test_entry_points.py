@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import autocast
-from autocast import _measure, entry_points
+from autocast._src.tools import measure as _measure
+from autocast._src.transform import entry_points
 from conftest import eqns_named, operand_dtypes, require
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -56,6 +57,7 @@ def test_under_amp_it_traces_in_the_compute_dtype_and_its_result_stays_16_bit():
     np.testing.assert_allclose(f(Q, K, V, W), want, rtol=3e-2)
 
 
+@pytest.mark.slow
 def test_on_either_side_of_grad():
     want = jax.grad(block(reference_attention), (0, 1, 2, 3))(Q, K, V, W)
     outer = jax.grad(autocast.amp(block(bf16_only_attention), compute_dtype=jnp.bfloat16), (0, 1, 2, 3))

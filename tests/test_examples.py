@@ -11,6 +11,8 @@ import pytest
 
 from conftest import eqns_named, jaxpr_of, load_script, operand_dtypes, require
 
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 

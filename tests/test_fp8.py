@@ -1,4 +1,4 @@
-"""Float8 compute (SPEC 8): scaled e4m3 products forward, e5m2 output gradients backward,
+"""Float8 compute: scaled e4m3 products forward, e5m2 output gradients backward,
 float32 accumulation, bfloat16 for the rest; read off jaxprs and checked against float32."""
 
 from __future__ import annotations
@@ -9,11 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import eqns_named, operand_dtypes
 from hypothesis import given, settings
 
 import autocast
-from autocast import _measure, _models, demo, fp8
+from autocast._src import fp8
+from autocast._src.demo import models as _models
+from autocast._src.demo import run as demo
+from autocast._src.tools import measure as _measure
+from conftest import eqns_named, operand_dtypes
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -47,6 +50,7 @@ def _flops_where(jaxpr, which, products):
     return chosen, total
 
 
+@pytest.mark.slow
 def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients():
     params, tokens = _demo_gpt()
     f8 = autocast.amp(_models.gpt_loss, compute_dtype=jnp.float8_e4m3fn)
@@ -79,6 +83,7 @@ def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients
     assert _measure.relative_error(grads, grads32) < 0.2
 
 
+@pytest.mark.slow
 def test_training_150_adam_steps_ends_within_5_percent_of_bfloat16():
     params, _ = _demo_gpt()
     optimizer = optax.adam(3e-3)
@@ -120,6 +125,7 @@ def test_per_tensor_scaling_holds_ranges_e4m3_cannot(scale):
         assert not _measure.relative_error(unscaled, exact) < 0.5
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(k=st.integers(-40, 40), seed=st.integers(0, 2**16))
 def test_scaling_an_operand_by_a_power_of_two_scales_the_product_exactly(k, seed):
@@ -177,6 +183,7 @@ def test_everything_but_the_products_follows_the_bfloat16_rules():
     assert dtypes(f8, "tanh") == ["bfloat16"] and dtypes(f8, "exp") == ["float32"]
 
 
+@pytest.mark.slow
 def test_convolutions_run_in_float8_with_e5m2_gradients():
     kk, ki = jax.random.split(jax.random.PRNGKey(2))
     img = jax.random.normal(ki, (2, 3, 16, 16))
@@ -199,6 +206,7 @@ def test_convolutions_run_in_float8_with_e5m2_gradients():
         assert _measure.relative_error(got, want) < 0.15
 
 
+@pytest.mark.slow
 def test_products_under_vmap_scan_checkpoint_and_jit():
     kw, kx = jax.random.split(jax.random.PRNGKey(3))
     w = jax.random.normal(kw, (8, 8)) / 3
@@ -285,6 +293,7 @@ def test_the_recipe_is_a_policy_of_the_default_table():
     assert fp8.recipe_for(jnp.bfloat16) is None and fp8.recipe_for("bf16") is None
 
 
+@pytest.mark.slow
 def test_second_derivatives_are_refused_not_rounded():
     kx, kw = jax.random.split(jax.random.PRNGKey(6))
     x, w = jax.random.normal(kx, (3, 4)), jax.random.normal(kw, (4, 2))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import autocast
-from autocast import _measure
+from autocast._src.tools import measure as _measure
 from conftest import jaxpr_of, operand_dtypes, require
 
 BF16 = jnp.bfloat16
@@ -29,6 +29,7 @@ def _check(loss, *args):
         assert g.dtype == p.dtype and bool(jnp.all(jnp.isfinite(g)))
 
 
+@pytest.mark.slow
 def test_flax_dense_bias_follows_the_activation():
     # Flax adds its bias as y + b.reshape(1, n): broadcast by the add itself, not by a
     # broadcast_in_dim, it must still follow the 16-bit activation, so a stack of Dense
@@ -43,6 +44,7 @@ def test_flax_dense_bias_follows_the_activation():
     _check(lambda p, x: jnp.sum(model.apply(p, x) ** 2), params, x)
 
 
+@pytest.mark.slow
 def test_flax_linen_transformer_block():
     nn = require("flax.linen")
 
@@ -72,6 +74,7 @@ def test_flax_linen_transformer_block():
     _check(loss, params, x)
 
 
+@pytest.mark.slow
 def test_equinox_mlp_with_static_fields_and_filtered_scaling():
     eqx = require("equinox")
     model = eqx.nn.MLP(8, 4, 16, 2, activation=jax.nn.relu, key=jax.random.PRNGKey(0))
@@ -89,6 +92,7 @@ def test_equinox_mlp_with_static_fields_and_filtered_scaling():
     assert grads.layers[0].weight.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_haiku_conv_net():
     hk = require("haiku")
 
@@ -133,6 +137,7 @@ def _equinox_layers():
     ]
 
 
+@pytest.mark.slow
 def test_equinox_stock_layers_under_amp():
     eqx, layers = _equinox_layers()
     for name, model, apply in layers:

@@ -1,4 +1,4 @@
-"""amp inside every higher-order primitive (SPEC 3.6): values against float32, dtypes read off
+"""amp inside every higher-order primitive: values against float32, dtypes read off
 the jaxpr (sub-jaxprs included), gradients, and parameters kept."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import autocast
-from autocast import _compat, _measure, _models
+from autocast import _compat
+from autocast._src.demo import models as _models
+from autocast._src.tools import measure as _measure
 from conftest import eqns_named, jaxpr_of, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -272,6 +274,7 @@ def test_an_unknown_higher_order_primitive_is_refused_by_name():
 
 # --- shard_map and pmap run on 4 CPU devices, in a child process ---------------------------------
 
+@pytest.mark.slow
 def test_shard_map_and_pmap_on_several_devices():
     script = Path(__file__).with_name("multidevice_check.py")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
@@ -318,6 +321,7 @@ def _core(x):
     return jnp.tanh(x @ W) + 0.5 * x
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.sampled_from(sorted(WRAPPERS)), min_size=1, max_size=4))
 def test_random_nests_run_16_bit_and_agree_with_float32(nest):

@@ -1,4 +1,4 @@
-"""Tests for the loss-scale objects (SPEC section 2): ``autocast.loss_scale``.
+"""Tests for the loss-scale objects: ``autocast._src.scaling.jmp`` (jmp's face).
 
 Covers the dynamic rule (hand-written transitions and a property test against a plain-Python
 model), the ``jmp`` 0.0.4 bugs this project fixes, scale/unscale values and dtypes,
@@ -189,7 +189,7 @@ def test_adjust_under_jit_and_scan():
     _assert_fields(ls, period=2, factor=2.0, min_loss_scale=32.0)
 
 
-# The property test: DynamicLossScale.adjust against a plain-Python model of SPEC 2, one trace.
+# The property test: DynamicLossScale.adjust against a plain-Python model of the rule, one trace.
 
 N_STEPS = 40
 
@@ -204,7 +204,7 @@ def _run_flags(ls, flags):
 
 
 def _reference(flags, scale, counter, period, factor, floor):
-    """SPEC 2 in plain Python, with float32 arithmetic."""
+    """The rule in plain Python, with float32 arithmetic."""
     scale, factor, floor = np.float32(scale), np.float32(factor), np.float32(floor)
     trail = []
     with np.errstate(over="ignore"):
@@ -804,7 +804,7 @@ def test_adjust_rejects_non_bool_or_non_scalar_flag(ls, flag):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_scale_outside_float32_range_is_rejected_not_stored_as_inf_or_zero():
-    """SPEC 2: the scale "never becomes 0, inf or NaN". A finite Python (float64) value beyond
+    """The scale "never becomes 0, inf or NaN". A finite Python (float64) value beyond
     the float32 range must be rejected (or clamped), not silently stored as inf or 0."""
     for kwargs in (
         dict(loss_scale=1e39),

@@ -1,4 +1,4 @@
-"""The model families of ``benchmarks/model_families.py`` held to issue 10's bounds: conv nets
+"""The model families of ``benchmarks/model_families.py`` held to their bounds: conv nets
 with normalisation and a Flax Linen GPT keep 16-bit activations, and train like float32."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import pytest
 
 import autocast
 from conftest import load_script
+
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
 families = load_script(Path(__file__).parents[1] / "benchmarks" / "model_families.py")
 FAMILIES = {name: (make, batches) for name, make, batches in families.families()}

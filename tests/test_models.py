@@ -1,5 +1,5 @@
 """End to end on the reference models: amp against float32 and against a careful hand cast
-(SPEC 5 measures; the targets of the amp-transform issue)."""
+(the measures of benchmarks/mixed_precision.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import autocast
-from autocast import _measure, _models
+from autocast._src.demo import models as _models
+from autocast._src.tools import measure as _measure
 
 
 def _cases():
@@ -61,6 +62,7 @@ def test_activation_memory_falls(case):
     assert ours <= 1.05 * _measure.residual_bytes(lambda *a: fn(*a, jnp.bfloat16), *args)
 
 
+@pytest.mark.slow
 def test_gradients_close_to_float32(case):
     fn, args, amp_fn = case
     g_ref = jax.jit(jax.grad(fn))(*args)
@@ -71,6 +73,7 @@ def test_gradients_close_to_float32(case):
         assert float(jnp.max(jnp.abs(a - b))) <= 0.05 * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, batch",
     [

@@ -1,4 +1,4 @@
-"""Tests for the optax face of loss scaling (SPEC section 4): ``autocast.optax``.
+"""Tests for the optax face of loss scaling: ``autocast.optax``.
 
 Covers fault injection in float16 amp training (bad batches are skipped exactly, parameters
 and optimizer state bit-identical across every skipped step, training still converges), the
@@ -17,7 +17,7 @@ import pytest
 
 import autocast
 import autocast.optax as aopt
-from autocast import _models
+from autocast._src.demo import models as _models
 
 AMP_MLP_F16 = autocast.amp(_models.mlp_loss, compute_dtype=jnp.float16)
 
@@ -78,6 +78,7 @@ INJECTED = {10: np.nan, 11: np.inf, 12: -np.inf, 40: np.nan, 200: np.inf, 201: n
 PERIOD = 100
 
 
+@pytest.mark.slow
 def test_fault_injection_float16_amp_training():
     x_all, y_all = _teacher_data()
     params = _models.init_mlp(jax.random.PRNGKey(0))
@@ -173,6 +174,7 @@ def _zero_share(tree):
     return sum(int(np.sum(x == 0)) for x in leaves) / sum(x.size for x in leaves)
 
 
+@pytest.mark.slow
 def test_float16_gradients_underflow_without_scaling():
     params = _models.init_mlp(jax.random.PRNGKey(0))
     x, y = _teacher_data(n=BATCH, seed=1)
@@ -219,6 +221,7 @@ def _replica_loss(p, x):
     return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
 def test_axis_name_under_vmap_replicas_decide_alike(inner):
     n = 4

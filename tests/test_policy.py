@@ -1,4 +1,4 @@
-"""Policies, dtype parsing and the casting helpers (SPEC 1)."""
+"""Policies, dtype parsing and the casting helpers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 
 import autocast
-from autocast.policy import _half_dtype_for
+from autocast._src.policy import dtypes
+from autocast._src.policy.dtypes import _half_dtype_for
 
 F32, F16, BF16, F64 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64))
 
@@ -59,7 +60,7 @@ def test_half_means_half_dtype_as_in_jmp(monkeypatch):
     assert autocast.get_policy("c=half").compute_dtype == half
     assert autocast.Policy("f32", "half", "f32").compute_dtype == half
     # It follows half_dtype() wherever that lands, e.g. float16 on a pre-Ampere GPU.
-    monkeypatch.setattr(autocast.policy, "half_dtype", lambda: F16)
+    monkeypatch.setattr(dtypes, "half_dtype", lambda: F16)
     assert autocast.parse_dtype(" HALF ") == F16
     assert autocast.get_policy("params=float32,compute=half,output=full").compute_dtype == F16
 

@@ -1,4 +1,4 @@
-"""Property-based tests of ``amp`` (SPEC 3) over randomly generated programs.
+"""Property-based tests of ``amp`` over randomly generated programs.
 
 A program is a short list of steps (elementwise, binary, matmul, reductions, data movement)
 applied to ``x`` of shape ``(n, d)`` with a weight ``w`` of shape ``(d, d)``, optionally a
@@ -15,10 +15,11 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 import autocast
-from autocast._measure import equations
+from autocast._src.tools.measure import equations
 from conftest import DETERMINISTIC, program_text
 
 F32, F16, BF16 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16))
@@ -215,6 +216,7 @@ float_dtypes = st.sampled_from([F32, BF16, F16])
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(prog=programs(), seed=seeds, compute=st.sampled_from([BF16, F16]))
 def test_amp_keeps_output_structure_shapes_and_dtypes(prog, seed, compute):
@@ -267,6 +269,7 @@ def assert_trees_equal(actual: Any, expected: Any) -> None:
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=1e-6)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(prog=programs(), seed=seeds, specials=st.booleans())
 def test_float32_compute_is_bit_identical(prog, seed, specials):
@@ -281,6 +284,7 @@ def test_float32_compute_is_bit_identical(prog, seed, specials):
     assert_trees_equal(amp_fn(floats, others), jax.jit(prog)(floats, others))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(prog=programs(), seed=seeds, specials=st.booleans())
 def test_float32_compute_has_bit_identical_gradients(prog, seed, specials):
@@ -325,6 +329,7 @@ def test_gradients_keep_primal_dtypes(prog, seed, dtypes, compute):
 RTOL = 3e-2
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(prog=programs(tame=True), seed=seeds)
 def test_bfloat16_result_is_close_to_float32(prog, seed):
@@ -381,6 +386,7 @@ def _non_float_converts(jaxpr: Any) -> list:
     return sorted(out, key=repr)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     prog=programs().filter(lambda p: p.has_int or p.has_mask),
@@ -408,6 +414,7 @@ def test_integer_and_boolean_inputs_pass_through(prog, seed, compute):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(SETTINGS, max_examples=15)
 @given(prog=programs(), seeds=st.lists(seeds, min_size=3, max_size=3, unique=True))
 def test_repeated_calls_with_same_avals_do_not_retrace(prog, seeds):

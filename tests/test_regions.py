@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import autocast
-from autocast import _compat, _measure, regions
+from autocast import _compat
+from autocast._src.tools import measure as _measure
+from autocast._src.transform import regions
 from conftest import jaxpr_of, operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -60,6 +62,7 @@ def group_norm_mlp(w, x):
     return jnp.sum(jnp.tanh(h @ w) ** 2)
 
 
+@pytest.mark.slow
 def test_statistics_read_in_groups_share_the_activation_they_normalise():
     fn = autocast.amp(group_norm_mlp, compute_dtype=BF16)
     residuals = jax.make_jaxpr(lambda w, x: jax.vjp(fn, w, x)[1])(W, X).out_avals
@@ -192,6 +195,7 @@ def _mesh():
     return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))  # automatic axes in every version
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_layer_communicates_16_bits_both_ways():
     mesh = _mesh()
 
@@ -327,6 +331,7 @@ def test_per_example_gradients_under_vmap_keep_the_bias_add_16_bit():
     assert grads["b"].dtype == F32 and grads["b"].shape == (16, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pool",
     [

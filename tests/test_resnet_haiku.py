@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 import autocast
-from autocast import _measure
+from autocast._src.tools import measure as _measure
 from conftest import eqns_named, operand_dtypes, require
+
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
 hk = require("haiku")
 optax = require("optax")

@@ -1,4 +1,4 @@
-"""Tests for loss scaling around a differentiated function (SPEC section 4): ``autocast.scaler``.
+"""Tests for loss scaling around a differentiated function: ``autocast._src.scaling.jaxamp`` (jaxamp's face).
 
 Covers the ``DynamicScalerState`` rule (hand-written transitions, a property test against a
 plain-Python model run under one ``jit``, agreement with ``DynamicLossScale``), the shapes,
@@ -25,7 +25,9 @@ from hypothesis import strategies as st
 from jax import lax
 
 import autocast
-from autocast import _measure, _models
+from autocast._src.demo import models as _models
+from autocast._src.scaling import jaxamp
+from autocast._src.tools import measure as _measure
 from conftest import eqns_named, require
 
 JAXAMP_FIELDS = ("patience", "adjust_factor", "scaler", "count", "total_resets")
@@ -168,7 +170,7 @@ def test_adjust_rejects_non_boolean_flag():
 
 
 def _reference(scaler, count, resets, patience, factor, flags):
-    """Plain-Python (numpy float32) model of SPEC 4, including the never-0/inf guard."""
+    """Plain-Python (numpy float32) model of the rule, including the never-0/inf guard."""
     scaler, factor = np.float32(scaler), np.float32(factor)
     out = []
     with np.errstate(over="ignore", under="ignore"):
@@ -244,13 +246,13 @@ def test_property_rule_matches_reference_and_dynamic_loss_scale(
 def test_scaler_rule_is_the_shared_core(monkeypatch):
     """One scaling core, two faces: DynamicScalerState.adjust goes through next_loss_scale."""
     calls = []
-    original = autocast.scaler.next_loss_scale
+    original = jaxamp.next_loss_scale
 
     def spy(*args):
         calls.append(args)
         return original(*args)
 
-    monkeypatch.setattr(autocast.scaler, "next_loss_scale", spy)
+    monkeypatch.setattr(jaxamp, "next_loss_scale", spy)
     autocast.DynamicScalerState(patience=3).adjust(T)
     assert len(calls) == 1
 
@@ -781,6 +783,7 @@ def test_round_trip_orbax(tmp_path):
 # ---- 6. with amp ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_amp_float16_mlp_grads_close_to_float32():
     params = _models.init_mlp(jax.random.PRNGKey(0))
     x, y = _mlp_data()
@@ -876,6 +879,7 @@ def test_axis_name_under_vmap_every_element_decides_alike(redo_on_nan):
     np.testing.assert_array_equal(np.asarray(state.scaler)[[0, 1, 3]], np.full(3, 2.0**11))
 
 
+@pytest.mark.slow
 def test_axis_name_all_finite_grows_together():
     w = jnp.array([0.5, -0.5, 1.0])
     xs = jnp.arange(12.0).reshape(4, 3) / 10
@@ -928,7 +932,7 @@ def test_replace_checks_and_converts_like_the_constructor():
 
 
 def test_integer_scaler_is_converted_to_float32():
-    """jaxamp converts an integer scaler to float32; so does the SPEC's "kept in float32"."""
+    """jaxamp converts an integer scaler to float32; so does autocast (the scale is kept in float32)."""
     for scaler in (2**15, jnp.int32(2**15), np.int64(2**15)):
         s = autocast.DynamicScalerState(scaler=scaler)
         _assert_storage(s)

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from jax.experimental import checkify
 
 import autocast
-from autocast import _models
+from autocast._src.demo import models as _models
+
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
 AMP_MLP_F16 = autocast.amp(_models.mlp_loss, compute_dtype=jnp.float16)
 BAD_STEPS = (5, 6, 20, 41)

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "tensor_parallel.py"
 
 

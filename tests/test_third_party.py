@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import autocast
-from autocast import _measure
+from autocast._src.tools import measure as _measure
 from conftest import require
 
 BF16 = jnp.bfloat16
@@ -288,6 +288,7 @@ def ode_loss(adjoint):
     return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint", [diffrax.RecursiveCheckpointAdjoint(), diffrax.BacksolveAdjoint()],
     ids=lambda a: type(a).__name__,
@@ -301,6 +302,7 @@ def test_diffrax_neural_ode(adjoint):
     assert np.dtype(BF16) in matmul_dtypes(jaxpr)
 
 
+@pytest.mark.slow
 def test_diffrax_neural_ode_trains():
     model = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=KEYS[3])
     loss = autocast.amp(ode_loss(diffrax.RecursiveCheckpointAdjoint()), compute_dtype=BF16)
@@ -318,13 +320,14 @@ def test_diffrax_neural_ode_trains():
 
 def root_loss(w):
     # Newton's tolerance matches bfloat16's resolution: a function evaluated in 16 bits cannot
-    # be driven below its own rounding (see the README on iterative solvers).
+    # be driven below its own rounding (see docs/third_party.md on iterative solvers).
     sol = optx.root_find(
         lambda y, a: jnp.tanh(a @ y) + y - 1.0, optx.Newton(rtol=1e-2, atol=1e-2), jnp.zeros(2), args=w
     )
     return jnp.sum(sol.value**2)
 
 
+@pytest.mark.slow
 def test_optimistix_root_find():
     check_three_ways(root_loss, (jnp.array([[3.0, 1.0], [1.0, 2.0]]),), tol=0.1)
 
@@ -358,7 +361,7 @@ def test_lineax_solve_runs_in_float32_whichever_came_first():
 def test_foreign_higher_order_primitive_interprets_its_jaxprs():
     # A primitive of another library keeping a jaxpr in its parameters: the boundary keeps the
     # recorded dtypes, the inside runs under the policy.
-    from autocast.higher_order import _foreign
+    from autocast._src.transform.handlers import _foreign
 
     prim = jax.extend.core.Primitive("foreign_apply")
     prim.def_impl(lambda x, *, body: jax.core.eval_jaxpr(body[0].jaxpr, body[0].consts, x)[0])

@@ -1,4 +1,4 @@
-"""The amp transform (SPEC 3.1-3.3, 3.5, 3.7, 3.8): signature, decisions, eligibility,
+"""The amp transform: signature, decisions, eligibility,
 composition with JAX transformations, caching and errors."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from jax import lax
 
 import autocast
-from autocast import _measure, _models
+from autocast._src.demo import models as _models
+from autocast._src.tools import measure as _measure
 from conftest import DETERMINISTIC, eqns_named, jaxpr_of, operand_dtypes, program_text, require
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -109,6 +110,7 @@ def test_a_number_computed_from_static_numbers_comes_back_as_one():
     assert got[1] == want[1] == 6.0 and type(got[1]) is type(want[1]) is float
 
 
+@pytest.mark.slow
 def test_code_that_branches_on_a_python_number_sees_it():
     # Equinox's Dropout(0.0) skips itself only for a Python number; traced, it would ask for a key
     eqx = require("equinox")
@@ -417,6 +419,7 @@ def test_random_numbers_are_untouched():
     np.testing.assert_array_equal(got[1], want[1])
 
 
+@pytest.mark.slow
 def test_float32_compute_is_bit_identical_on_a_transformer():
     params = _models.init_gpt(jax.random.PRNGKey(0))
     tokens = _models.gpt_batch(jax.random.PRNGKey(1))
@@ -520,6 +523,7 @@ def test_vmap_on_either_side_agrees():
     _close(outer, jax.vmap(_matmul_chain, in_axes=(None, 0))(W, xs))
 
 
+@pytest.mark.slow
 def test_amp_over_a_whole_train_step():
     params = _models.init_mlp(jax.random.PRNGKey(0), (4, 8, 3))
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 4))

@@ -10,25 +10,8 @@ and the line, where mixed precision lost accuracy or overflowed. Loss scaling fo
 ``DynamicScalerState`` with ``dynamic_scale_value_and_grad``, or ``autocast.optax`` (optional).
 """
 
-from autocast.diagnose import Diagnosis, Entry, diagnose
-from autocast.entry_points import in_compute_dtype
-from autocast.fp8 import use_fp8_precision
-from autocast.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    LossScaleUpdate,
-    NoOpLossScale,
-    ScalingHealth,
-    StaticLossScale,
-    all_finite,
-    check_not_stalled,
-    next_loss_scale,
-    nonfinite_leaves,
-    nonfinite_paths,
-    select_tree,
-    stalled,
-)
-from autocast.policy import (
+from autocast._src.fp8 import use_fp8_precision
+from autocast._src.policy.dtypes import (
     Policy,
     cast_to_full,
     cast_to_half,
@@ -37,10 +20,7 @@ from autocast.policy import (
     half_dtype,
     parse_dtype,
 )
-from autocast.rules import (
-    DEFAULT_PRECISION_TABLE,
-    default_amp_policy,
-    describe_default_policy,
+from autocast._src.policy.precision import (
     use_compute_precision,
     use_full_precision,
     use_input_precision,
@@ -49,14 +29,33 @@ from autocast.rules import (
     use_precision,
     use_widest_precision,
 )
-from autocast.report import Report, report
-from autocast.scaler import (
+from autocast._src.policy.table import (
+    DEFAULT_PRECISION_TABLE,
+    default_amp_policy,
+    describe_default_policy,
+)
+from autocast._src.scaling.core import (
+    LossScaleUpdate,
+    ScalingHealth,
+    all_finite,
+    check_not_stalled,
+    next_loss_scale,
+    nonfinite_leaves,
+    nonfinite_paths,
+    select_tree,
+    stalled,
+)
+from autocast._src.scaling.jaxamp import (
     DynamicScalerState,
     dynamic_scale_grad,
     dynamic_scale_tx,
     dynamic_scale_value_and_grad,
 )
-from autocast.transform import amp, amp_stop
+from autocast._src.scaling.jmp import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from autocast._src.tools.diagnose import Diagnosis, Entry, diagnose
+from autocast._src.tools.report import Report, report
+from autocast._src.transform.amp import amp, amp_stop
+from autocast._src.transform.entry_points import in_compute_dtype
 
 __version__ = "0.1.0.dev0"
 

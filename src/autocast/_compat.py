@@ -322,7 +322,7 @@ def hook_custom_calls(*, vjp: Any, jvp: Any) -> None:
     ``vjp(self, original, args, kwargs)`` / ``jvp(...)``, which may call ``original``.
 
     amp needs to see these calls while the values they close over are alive
-    (:mod:`autocast.closures`); JAX offers no hook, so the classes' ``__call__`` is wrapped,
+    (:mod:`autocast._src.transform.closures`); JAX offers no hook, so the classes' ``__call__`` is wrapped,
     once. The hooks pass straight through unless amp is tracing.
     """
     for cls, hook in ((jax.custom_vjp, vjp), (jax.custom_jvp, jvp)):

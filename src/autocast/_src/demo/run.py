@@ -1,7 +1,7 @@
 """The main job: train a small GPT-style language model four ways and compare them.
 
 float32, amp with bfloat16, amp with float16 plus dynamic loss scaling, and amp with float8
-matrix products (per-tensor scaling, SPEC 8), on text the
+matrix products (per-tensor scaling), on text the
 package generates itself (sums such as ``"17+25=42;"``; nothing is downloaded). Prints a
 progress bar per run, then a table, and writes a plot and the figures to ``--out``.
 """
@@ -20,7 +20,8 @@ import numpy as np
 import optax
 
 import autocast
-from autocast import _measure, _models
+from autocast._src.demo import models as _models
+from autocast._src.tools import measure as _measure
 
 ALPHABET = "0123456789+=;"
 

@@ -34,7 +34,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from autocast import _compat
-from autocast._tree import is_array, is_inexact_dtype
+from autocast._src.tree import is_array, is_inexact_dtype
 
 _state = threading.local()
 

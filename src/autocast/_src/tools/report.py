@@ -1,5 +1,5 @@
 """What amp did to a function: which primitive ran in which dtype, by which rule, which
-casts it added and where, and what that saved (SPEC 5 measures, read off the jaxpr)."""
+casts it added and where, and what that saved (measures read off the jaxpr)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from jax.extend import source_info_util
 
-from autocast import _measure
-from autocast._tree import is_array, is_inexact_dtype
-from autocast.transform import amp as _amp
+from autocast._src.tools import measure as _measure
+from autocast._src.transform.amp import amp as _amp
+from autocast._src.tree import is_array, is_inexact_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,24 @@ class Report:
     Equinox's filtered transformations take it; where it cannot be (a custom rule that
     refuses a tangent), ``backward`` says why and the forward figures are still given.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> r = autocast.report(lambda w: jnp.sum(w @ w), compute_dtype=jnp.bfloat16)(jnp.ones((2, 2)))
-    >>> [(row.primitive, row.input_dtypes, row.rule) for row in r.rows if row.primitive == "dot_general"]
-    [('dot_general', 'bfloat16,bfloat16', 'use_compute_precision')]
+    Attributes:
+        rows: One row per primitive and combination of dtypes and rule, most frequent first:
+            each has the fields ``primitive``, ``count``, ``input_dtypes`` and
+            ``output_dtypes`` (dtype names joined by commas, ``"-"`` for none) and ``rule``
+            (the precision function's name).
+        casts: The casts amp added, grouped by place, most frequent first: each row has the
+            fields ``source`` and ``target`` (dtype names), ``where`` (named scope and source
+            location) and ``count``.
+        summary: The figures described above, a dict from their names to numbers, dicts with
+            the keys ``"forward"`` and ``"backward"``, or ``None``; with the key ``backward``
+            (a string) where the backward pass could not be measured, or only with respect to
+            the first argument.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> r = autocast.report(lambda w: jnp.sum(w @ w), compute_dtype=jnp.bfloat16)(jnp.ones((2, 2)))
+        >>> [(row.primitive, row.input_dtypes, row.rule) for row in r.rows if row.primitive == "dot_general"]
+        [('dot_general', 'bfloat16,bfloat16', 'use_compute_precision')]
     """
 
     rows: tuple[PrimitiveRow, ...]
@@ -149,17 +163,36 @@ def report(
 ) -> Callable[..., Report]:
     """Explains what ``amp(fn, compute_dtype=..., amp_policy=...)`` does on given arguments.
 
-    Returns a function taking ``fn``'s arguments and returning a :class:`Report`. Nothing is
-    run: everything is read off jaxprs.
+    Nothing is run: everything is read off jaxprs, of the forward pass and of the backward pass
+    taken with ``jax.vjp``.
 
-    >>> import autocast, jax, jax.numpy as jnp
-    >>> def loss(w, x):
-    ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
-    >>> r = autocast.report(loss, compute_dtype=jnp.bfloat16)(jnp.ones((4, 4)), jnp.ones((2, 4)))
-    >>> r.summary["low_precision_flop_share"]
-    {'forward': 1.0, 'backward': 1.0}
-    >>> print(str(r).splitlines()[0])
-    amp precision report
+    Args:
+        fn: The function to examine: anything ``amp`` accepts.
+        compute_dtype: As for :func:`autocast.amp`: a floating dtype, a dtype name or a float8
+            recipe; ``None`` (the default) means :func:`autocast.half_dtype`.
+        amp_policy: As for :func:`autocast.amp`: a mapping from named-scope strings and
+            primitives to precision functions; ``None`` (the default) means
+            :data:`autocast.default_amp_policy`.
+
+    Returns:
+        A function that takes ``fn``'s arguments and returns a :class:`Report` for them.
+
+    Raises:
+        TypeError: As :func:`autocast.amp` raises it, for ``fn``, ``compute_dtype`` or
+            ``amp_policy``; when the returned function is called, if ``fn`` returns a
+            generator or a coroutine.
+        ValueError: As :func:`autocast.amp` raises it, for a ``compute_dtype`` string that
+            names no floating dtype or a float8 type without a recipe.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> def loss(w, x):
+        ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+        >>> r = autocast.report(loss, compute_dtype=jnp.bfloat16)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+        >>> r.summary["low_precision_flop_share"]
+        {'forward': 1.0, 'backward': 1.0}
+        >>> print(str(r).splitlines()[0])
+        amp precision report
     """
     amp_fn = _amp(fn, compute_dtype=compute_dtype, amp_policy=amp_policy)
 

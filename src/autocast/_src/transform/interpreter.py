@@ -1,10 +1,10 @@
 """Evaluates a jaxpr under a mixed-precision policy, one equation at a time.
 
-Each first-order equation is decided (SPEC 3.2: named scopes, then the primitive, then
+Each first-order equation is decided (named scopes, then the primitive, then
 ``"amp_default"``), its inputs are cast by the chosen precision function and the primitive is
 bound again on whatever trace is current, so ``jit``, ``grad`` and ``vmap`` compose with
 ``amp`` from either side. Equations that carry sub-jaxprs go to their handler in
-:mod:`autocast.higher_order`.
+:mod:`autocast._src.transform.handlers`.
 
 Every value has a kind that says how much its dtype should count:
 
@@ -32,28 +32,39 @@ Every value has a kind that says how much its dtype should count:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from autocast import _compat, entry_points, regions
-from autocast._tree import is_floating_dtype
-from autocast.rules import (
+from autocast import _compat
+from autocast._src.policy.casting import cast_memo, cast_value, castable
+from autocast._src.policy.precision import (
     CUSTOM_BINDINGS,
     PrecisionFn,
-    _castable,
-    cast_memo,
-    cast_value,
     is_compute_rule,
     use_full_precision,
     use_input_precision,
     use_original_precision,
     use_own_precision,
 )
+from autocast._src.transform import entry_points, regions
+from autocast._src.tree import is_floating_dtype
 
-STRONG, RAW, WEAK, SPREAD, UNMAPPED = 0, 1, 2, 3, 4
+
+class Kind(enum.IntEnum):
+    """How much a value's dtype counts (see the module's docstring)."""
+
+    STRONG = 0
+    RAW = 1
+    WEAK = 2
+    SPREAD = 3
+    UNMAPPED = 4
+
+
+STRONG, RAW, WEAK, SPREAD, UNMAPPED = Kind
 ADAPTABLE = (WEAK, SPREAD)
 
 # Primitives that only move data: an input cut out by them is still an input. Of these,
@@ -212,7 +223,7 @@ def _as_region_input(x: Any, ctx: Context) -> Any:
 
 def _unmoved(var: Any, x: Any, moved: Mapping[Any, tuple]) -> Any:
     """``x``, the value of ``var``, marked with the activation it was reshaped from if it was
-    (see :class:`autocast.regions.Moved`)."""
+    (see :class:`autocast._src.transform.regions.Moved`)."""
     hit = None if isinstance(var, _compat.Literal) else moved.get(var)
     return x if hit is None else regions.Moved(x, *hit)
 
@@ -306,14 +317,14 @@ _STATISTIC_MOVES = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squ
 def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
     """Casts WEAK and SPREAD floating inputs to the widest dtype of the other floating inputs."""
     others = {
-        x.dtype for x, k, o in zip(invals, kinds, original) if k not in ADAPTABLE and _castable(x, o)
+        x.dtype for x, k, o in zip(invals, kinds, original) if k not in ADAPTABLE and castable(x, o)
     }
     if not others:
         return [_materialized(x) for x in invals]
     target = next(iter(others)) if len(others) == 1 else jnp.result_type(*others)
     adapted = []
     for x, k, o in zip(invals, kinds, original):
-        if k in ADAPTABLE and _castable(x, o) and x.dtype != target:
+        if k in ADAPTABLE and castable(x, o) and x.dtype != target:
             x = x.materialize(target) if isinstance(x, Deferred) else cast_value(x, target)
         adapted.append(_materialized(x))
     return adapted
@@ -405,7 +416,7 @@ def _cast_ahead(
         return invals
     return [
         cast_value(x, ctx.compute_dtype)
-        if k == STRONG and _castable(x, o) and x.dtype.itemsize > ctx.compute_dtype.itemsize
+        if k == STRONG and castable(x, o) and x.dtype.itemsize > ctx.compute_dtype.itemsize
         else x
         for x, k, o in zip(invals, kinds, (v.aval.dtype for v in eqn.invars))
     ]
@@ -413,7 +424,7 @@ def _cast_ahead(
 
 def _restores_entry_output(eqn: Any) -> bool:
     """Whether ``eqn`` is the cast that restores an entry point's result to the dtype the
-    program had (:mod:`autocast.entry_points`)."""
+    program had (:mod:`autocast._src.transform.entry_points`)."""
     return entry_points.RESTORE_SCOPE in _compat.scope_names(eqn)
 
 
@@ -426,7 +437,7 @@ def apply_first_order(
     moved: Mapping[Any, tuple] | None = None,
 ) -> Any:
     """Decides, casts and binds one first-order equation (or gathers it into a wide region,
-    see :mod:`autocast.regions`). ``uses`` says how later equations use its outputs; ``moved``
+    see :mod:`autocast._src.transform.regions`). ``uses`` says how later equations use its outputs; ``moved``
     maps a variable holding a reshaped activation to ``(reshape equation, activation)``."""
     if eqn.primitive.name == "convert_element_type" and _restores_entry_output(eqn):
         # an entry point's result cast back for the trace's sake: it flows on as it came
@@ -491,6 +502,68 @@ def eval_jaxpr(
         return [_materialized(x) for x in outs]
 
 
+Handler = Callable[[Any, list, Sequence[int], Context], Sequence[Any]]
+
+# The handler of each higher-order primitive, by name, and of the two roles no name selects:
+# binding an equation exactly as recorded ("original precision": amp_stop, linear solves)
+# and another library's primitive ("foreign"). Filled by autocast._src.transform.handlers,
+# beside the handlers' definitions, so this module imports none of them: adding support for
+# a primitive is one function and one table entry there.
+HANDLERS: dict[str, Handler] = {}
+ROLES: dict[str, Handler] = {}
+
+# Kernels are written for fixed dtypes: they are first-order equations for amp, decided by
+# the policy like any other primitive (the default table keeps them in original precision),
+# so their inner jaxpr is never re-typed and the report lists them.
+KERNELS = frozenset({"pallas_call"})
+
+# JAX's own primitives seen to carry no sub-jaxprs: decided once per primitive. Another
+# library's primitive can carry a jaxpr in one call and none in the next (lineax's
+# linear_solve with a matrix, then with a function operator): it is looked at every time.
+_FIRST_ORDER: set[Any] = set()
+
+
+def handler_for(eqn: Any, ctx: Context) -> Handler | None:
+    """The handler of a higher-order equation, None for a first-order one.
+
+    Raises ``NotImplementedError`` for one of JAX's own primitives that carries sub-jaxprs
+    but has no handler, unless a named scope puts the equation in original precision
+    (``amp_stop``).
+    """
+    prim = eqn.primitive
+    if prim in _FIRST_ORDER:
+        return None
+    name = prim.name
+    handler = HANDLERS.get(name)
+    if handler is not None:
+        return handler
+    if name in KERNELS or name in _compat.FIRST_ORDER_WITH_JAXPRS:
+        return None
+    carried = _compat.sub_jaxpr_params(eqn.params)
+    own = _compat.primitive_by_name(name) is prim
+    if not carried:
+        if own:
+            _FIRST_ORDER.add(prim)
+        return None
+    if decide_by_scope(eqn, ctx) is use_original_precision:
+        return ROLES["original precision"]
+    if not own:
+        return ROLES["foreign"]
+    raise unsupported(eqn)
+
+
+def unsupported(eqn: Any) -> NotImplementedError:
+    """The error for a higher-order equation amp cannot interpret."""
+    carried = _compat.sub_jaxpr_params(eqn.params)
+    return NotImplementedError(
+        f"amp does not support the higher-order primitive '{eqn.primitive.name}' (it carries "
+        f"the sub-jaxpr parameter(s) {', '.join(carried)}); supported: "
+        f"{', '.join(sorted(HANDLERS))}, and other libraries' primitives that keep closed "
+        "jaxprs in their parameters. Wrap the call in autocast.amp_stop() to run it untouched "
+        "in original precision."
+    )
+
+
 def _inlined(eqn: Any, ctx: Context) -> bool:
     """Whether to evaluate a ``jax.jit`` call in place. With 16-bit compute, a plain one is:
     a layer norm's ``jnp.var``, an embedding's ``jnp.take`` or a ``jax.nn`` activation then
@@ -508,8 +581,6 @@ def _eval_jaxpr(
     const_kinds: Sequence[int] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """The outputs of ``jaxpr`` (deferred and wide values not yet emitted) and their kinds."""
-    from autocast.higher_order import handler_for
-
     env: dict[Any, Any] = {}
     kind_of: dict[Any, int] = {}
     uses = _Uses(jaxpr, ctx)

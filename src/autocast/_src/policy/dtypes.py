@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autocast._tree import map_floating
+from autocast._src.tree import map_floating
 
 T = TypeVar("T")
 
@@ -83,13 +83,25 @@ def parse_dtype(value: str) -> np.dtype:
     As in ``jmp``, ``"half"`` means :func:`half_dtype`, the backend's preferred 16-bit type
     (bfloat16 on CPU and TPU), not necessarily IEEE float16.
 
-    >>> import autocast
-    >>> autocast.parse_dtype("bf16")
-    dtype(bfloat16)
-    >>> autocast.parse_dtype(" Float32 ")
-    dtype('float32')
-    >>> autocast.parse_dtype("half") == autocast.half_dtype()
-    True
+    Args:
+        value: The name to parse.
+
+    Returns:
+        The floating ``numpy.dtype`` the name stands for.
+
+    Raises:
+        TypeError: If ``value`` is not a string.
+        ValueError: If ``value`` is empty or blank, names no dtype, or names a dtype that is
+            not floating-point (``"int8"``).
+
+    Example:
+        >>> import autocast
+        >>> autocast.parse_dtype("bf16")
+        dtype(bfloat16)
+        >>> autocast.parse_dtype(" Float32 ")
+        dtype('float32')
+        >>> autocast.parse_dtype("half") == autocast.half_dtype()
+        True
     """
     if not isinstance(value, str):
         raise TypeError(f"parse_dtype expects a string such as 'bf16', got {type(value).__name__}")
@@ -129,11 +141,16 @@ def half_dtype() -> np.dtype:
     """The 16-bit float the default backend runs fastest: bfloat16, or float16 on old GPUs.
 
     bfloat16 on TPU, CPU and GPUs that have bfloat16 arithmetic (NVIDIA Ampere and newer, AMD);
-    float16 on NVIDIA GPUs older than Ampere.
+    float16 on NVIDIA GPUs older than Ampere. The answer is read from the first device of the
+    default backend, ``jax.devices()[0]``, at each call.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.half_dtype() in (jnp.bfloat16, jnp.float16)
-    True
+    Returns:
+        ``numpy.dtype(jnp.bfloat16)`` or ``numpy.dtype(jnp.float16)``.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.half_dtype() in (jnp.bfloat16, jnp.float16)
+        True
     """
     return _half_dtype_for(jax.devices()[0])
 
@@ -141,10 +158,27 @@ def half_dtype() -> np.dtype:
 def cast_tree(dtype: Any, tree: T) -> T:
     """Casts every floating-point array leaf of ``tree`` to ``dtype``; other leaves pass through.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> out = autocast.cast_tree(jnp.bfloat16, {"w": jnp.ones(2), "step": jnp.int32(3), "name": "x"})
-    >>> out["w"].dtype, out["step"].dtype, out["name"]
-    (dtype(bfloat16), dtype('int32'), 'x')
+    Floating-point array leaves are JAX and NumPy arrays and NumPy scalars of a real floating
+    dtype, float64 included. Integer, boolean and complex arrays, Python numbers and every other
+    leaf are returned as they are.
+
+    Args:
+        dtype: The floating dtype to cast to: a dtype (``jnp.bfloat16``) or a name
+            :func:`parse_dtype` accepts (``"bf16"``).
+        tree: Any pytree.
+
+    Returns:
+        A pytree of the same structure, with its floating-point array leaves in ``dtype``.
+
+    Raises:
+        TypeError: If ``dtype`` is not a floating dtype.
+        ValueError: If ``dtype`` is a string that names no floating dtype.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> out = autocast.cast_tree(jnp.bfloat16, {"w": jnp.ones(2), "step": jnp.int32(3), "name": "x"})
+        >>> out["w"].dtype, out["step"].dtype, out["name"]
+        (dtype(bfloat16), dtype('int32'), 'x')
     """
     dtype = canonicalize_float_dtype(dtype)
     return map_floating(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
@@ -153,9 +187,18 @@ def cast_tree(dtype: Any, tree: T) -> T:
 def cast_to_full(tree: T) -> T:
     """Casts the floating-point leaves of ``tree`` to float32.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.cast_to_full(jnp.ones(2, jnp.bfloat16)).dtype
-    dtype('float32')
+    ``cast_tree(jnp.float32, tree)``: see :func:`cast_tree` for which leaves are cast.
+
+    Args:
+        tree: Any pytree.
+
+    Returns:
+        A pytree of the same structure, with its floating-point array leaves in float32.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.cast_to_full(jnp.ones(2, jnp.bfloat16)).dtype
+        dtype('float32')
     """
     return cast_tree(jnp.float32, tree)
 
@@ -163,9 +206,19 @@ def cast_to_full(tree: T) -> T:
 def cast_to_half(tree: T) -> T:
     """Casts the floating-point leaves of ``tree`` to :func:`half_dtype`.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.cast_to_half(jnp.ones(2)).dtype == autocast.half_dtype()
-    True
+    ``cast_tree(half_dtype(), tree)``: see :func:`cast_tree` for which leaves are cast.
+
+    Args:
+        tree: Any pytree.
+
+    Returns:
+        A pytree of the same structure, with its floating-point array leaves in bfloat16, or
+        float16 where :func:`half_dtype` says so.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.cast_to_half(jnp.ones(2)).dtype == autocast.half_dtype()
+        True
     """
     return cast_tree(half_dtype(), tree)
 
@@ -176,14 +229,25 @@ class Policy:
 
     Frozen and hashable, so it can be a static argument of ``jax.jit``. Any floating dtype
     spelling is accepted (``jnp.bfloat16``, ``"bf16"``, ``np.float32``); fields hold NumPy
-    dtypes. ``str(policy)`` prints the form :func:`get_policy` reads back.
+    dtypes. ``str(policy)`` prints the form :func:`get_policy` reads back. The casting methods
+    touch only floating-point array leaves, as :func:`cast_tree` does.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> policy = autocast.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
-    >>> str(policy)
-    'p=f32,c=bf16,o=f32'
-    >>> policy.cast_to_compute({"w": jnp.ones(3), "n": 2})["w"].dtype
-    dtype(bfloat16)
+    Attributes:
+        param_dtype: The dtype parameters are stored in.
+        compute_dtype: The dtype the computation runs in.
+        output_dtype: The dtype outputs are returned in.
+
+    Raises:
+        TypeError: If a field is given something that is not a floating dtype.
+        ValueError: If a field is given a string that names no floating dtype.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> policy = autocast.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+        >>> str(policy)
+        'p=f32,c=bf16,o=f32'
+        >>> policy.cast_to_compute({"w": jnp.ones(3), "n": 2})["w"].dtype
+        dtype(bfloat16)
     """
 
     param_dtype: np.dtype
@@ -196,27 +260,84 @@ class Policy:
             object.__setattr__(self, field.name, value)
 
     def cast_to_param(self, x: T) -> T:
-        """Casts the floating-point leaves of ``x`` to ``param_dtype``."""
+        """Casts the floating-point leaves of ``x`` to ``param_dtype``.
+
+        Args:
+            x: Any pytree.
+
+        Returns:
+            A pytree of the same structure, with its floating-point array leaves in
+            ``param_dtype``.
+        """
         return cast_tree(self.param_dtype, x)
 
     def cast_to_compute(self, x: T) -> T:
-        """Casts the floating-point leaves of ``x`` to ``compute_dtype``."""
+        """Casts the floating-point leaves of ``x`` to ``compute_dtype``.
+
+        Args:
+            x: Any pytree.
+
+        Returns:
+            A pytree of the same structure, with its floating-point array leaves in
+            ``compute_dtype``.
+        """
         return cast_tree(self.compute_dtype, x)
 
     def cast_to_output(self, x: T) -> T:
-        """Casts the floating-point leaves of ``x`` to ``output_dtype``."""
+        """Casts the floating-point leaves of ``x`` to ``output_dtype``.
+
+        Args:
+            x: Any pytree.
+
+        Returns:
+            A pytree of the same structure, with its floating-point array leaves in
+            ``output_dtype``.
+        """
         return cast_tree(self.output_dtype, x)
 
     def with_param_dtype(self, dtype: Any) -> Policy:
-        """A copy with another ``param_dtype``."""
+        """A copy with another ``param_dtype``.
+
+        Args:
+            dtype: The new ``param_dtype``: any floating dtype spelling the constructor accepts.
+
+        Returns:
+            A new :class:`Policy`; ``self`` is unchanged.
+
+        Raises:
+            TypeError: If ``dtype`` is not a floating dtype.
+            ValueError: If ``dtype`` is a string that names no floating dtype.
+        """
         return dataclasses.replace(self, param_dtype=dtype)
 
     def with_compute_dtype(self, dtype: Any) -> Policy:
-        """A copy with another ``compute_dtype``."""
+        """A copy with another ``compute_dtype``.
+
+        Args:
+            dtype: The new ``compute_dtype``: any floating dtype spelling the constructor accepts.
+
+        Returns:
+            A new :class:`Policy`; ``self`` is unchanged.
+
+        Raises:
+            TypeError: If ``dtype`` is not a floating dtype.
+            ValueError: If ``dtype`` is a string that names no floating dtype.
+        """
         return dataclasses.replace(self, compute_dtype=dtype)
 
     def with_output_dtype(self, dtype: Any) -> Policy:
-        """A copy with another ``output_dtype``."""
+        """A copy with another ``output_dtype``.
+
+        Args:
+            dtype: The new ``output_dtype``: any floating dtype spelling the constructor accepts.
+
+        Returns:
+            A new :class:`Policy`; ``self`` is unchanged.
+
+        Raises:
+            TypeError: If ``dtype`` is not a floating dtype.
+            ValueError: If ``dtype`` is a string that names no floating dtype.
+        """
         return dataclasses.replace(self, output_dtype=dtype)
 
     def __str__(self) -> str:
@@ -234,15 +355,26 @@ def get_policy(policy_name: str | Policy) -> Policy:
     ``c``/``compute``, ``o``/``output``. Values: any name :func:`parse_dtype` accepts
     (``half`` is :func:`half_dtype`). Unnamed fields default as in ``jmp``: params to float32,
     compute to the params dtype, output to the compute dtype. Case and whitespace are ignored.
-    A :class:`Policy` is returned unchanged.
 
-    >>> import autocast
-    >>> str(autocast.get_policy("c=f16"))
-    'p=f32,c=f16,o=f16'
-    >>> str(autocast.get_policy("params=float32, compute=bfloat16, output=float32"))
-    'p=f32,c=bf16,o=f32'
-    >>> str(autocast.get_policy("bfloat16"))
-    'p=bf16,c=bf16,o=bf16'
+    Args:
+        policy_name: The policy string, or a :class:`Policy`, which is returned unchanged.
+
+    Returns:
+        The :class:`Policy` the string describes.
+
+    Raises:
+        TypeError: If ``policy_name`` is neither a string nor a :class:`Policy`.
+        ValueError: If the string is empty, a part is not ``key=dtype``, a key is unknown or
+            given twice, or a name is not a floating dtype.
+
+    Example:
+        >>> import autocast
+        >>> str(autocast.get_policy("c=f16"))
+        'p=f32,c=f16,o=f16'
+        >>> str(autocast.get_policy("params=float32, compute=bfloat16, output=float32"))
+        'p=f32,c=bf16,o=f32'
+        >>> str(autocast.get_policy("bfloat16"))
+        'p=bf16,c=bf16,o=bf16'
     """
     if isinstance(policy_name, Policy):
         return policy_name

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from autocast import _compat
-from autocast.paired import marked, site_of
+from autocast._src.tools.paired import marked, site_of
 
 _EMPTY: frozenset = frozenset()
 

@@ -1,6 +1,6 @@
 """amp's program and its float32 reference, evaluated together, equation by equation.
 
-The numerics debugger (:mod:`autocast.diagnose`) traces amp's program with each output of a
+The numerics debugger (:func:`autocast.diagnose`) traces amp's program with each output of a
 user's equation marked (a ``checkpoint_name`` whose name holds the equation's *site*
 number), then evaluates that one jaxpr once, carrying two values per variable: amp's, and
 the reference's, which is the same equation computed with every 16-bit floating dtype
@@ -27,7 +27,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from autocast import _compat
-from autocast._tree import is_floating_dtype
+from autocast._src.tree import is_floating_dtype
 
 PREFIX = "autocast.diagnose/"
 _F32 = np.dtype(np.float32)
@@ -122,7 +122,7 @@ class Recorder:
     """Host side: measures each marked equation as the program runs it and keeps, per site,
     ``[worst error, worst added error, overflow total, underflow total, evaluation count at
     the first overflow (None if none), runs]``. ``before[site]`` names the sites whose
-    errors reach that site's inputs (:mod:`autocast.provenance`)."""
+    errors reach that site's inputs (:mod:`autocast._src.tools.provenance`)."""
 
     def __init__(self, before: dict[int, frozenset]) -> None:
         self.before = before

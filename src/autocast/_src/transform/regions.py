@@ -33,11 +33,9 @@ import jax
 import numpy as np
 
 from autocast import _compat
-from autocast.rules import (
-    _INPUT_PRECISION_EXPONENTS,
-    _castable,
-    cast_memo,
-    cast_value,
+from autocast._src.policy.casting import cast_memo, cast_value, castable
+from autocast._src.policy.precision import (
+    INPUT_PRECISION_EXPONENTS,
     use_full_precision,
     use_input_precision,
     use_input_precision_for_casts,
@@ -161,7 +159,7 @@ def _is_range_unsafe(eqn: Any, args: Sequence[Any]) -> bool:
     if name in _RANGE_UNSAFE:
         return True
     if name == "integer_pow":
-        return eqn.params["y"] not in _INPUT_PRECISION_EXPONENTS or eqn.params["y"] < 0
+        return eqn.params["y"] not in INPUT_PRECISION_EXPONENTS or eqn.params["y"] < 0
     if name == "div":
         return _is_full(args[1], shape)  # 1/x of an activation; a statistic only rescales
     if name == "mul":
@@ -262,14 +260,14 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
                         value = evaluate(arg)
                     else:
                         value = arg if _is_constant(arg) else values[position[id(arg)]]
-                    ins.append(cast_value(value, original) if _castable(value, original) else value)
+                    ins.append(cast_value(value, original) if castable(value, original) else value)
                 with _compat.equation_context(node.eqn):
                     out = _compat.bind_equation(node.eqn, ins, node.eqn.params)
                 out = done[id(node)] = node.ctx.observed(node.eqn, node.rule, ins, out)
                 return out
 
             out = evaluate(root)
-            return cast_value(out, dtype) if _castable(out, dtype) else out
+            return cast_value(out, dtype) if castable(out, dtype) else out
 
     if _only_summed(root, resolved):
         return region(*leaves)
@@ -451,7 +449,7 @@ def gather(
         or statistic
         or (
             rule is use_precision_by_exponent
-            and eqn.params.get("y") not in _INPUT_PRECISION_EXPONENTS
+            and eqn.params.get("y") not in INPUT_PRECISION_EXPONENTS
         )
         or (name == "div" and _is_full(invals[1], eqn.outvars[0].aval.shape))  # 1/x
     )

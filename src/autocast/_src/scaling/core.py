@@ -1,21 +1,15 @@
-"""Loss scaling: the one scaling core and its ``jmp``-style faces.
+"""Loss scaling's one core: the rule that grows and shrinks the scale, its floor, the health
+counters, and the finiteness checks every face of the library shares.
 
 Float16 gradients underflow unless the loss is multiplied by a large factor before
-differentiation and the gradients are divided by it afterwards. The rule that grows and shrinks
-that factor lives in :func:`next_loss_scale`; :class:`DynamicLossScale` here and the
-``DynamicScalerState`` of the scaler module both call it, so it is written once.
-
-Every loss-scale object is an instance of :class:`LossScale`. ``NoOpLossScale``,
-``StaticLossScale`` and ``DynamicLossScale`` are frozen dataclasses (value equality,
-``dataclasses.replace``) and pytrees whose every field is a leaf stored as an array, so the
-whole state survives ``jax.jit``, ``tree_flatten``/``tree_unflatten``, ``pickle`` and checkpoint
-libraries that save leaves only. (``jmp`` 0.0.4 kept ``min_loss_scale`` outside its leaves and
-lost it.)
+differentiation and the gradients are divided by it afterwards. The rule that moves that
+factor is :func:`next_loss_scale`; jmp's ``DynamicLossScale`` (``scaling/jmp.py``), jaxamp's
+``DynamicScalerState`` (``scaling/jaxamp.py``) and the optax wrapper (``scaling/optax.py``)
+all call it, and :func:`next_health` for their health counters, so neither is written twice.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import functools
 from typing import Any, NamedTuple, TypeVar
@@ -25,15 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from autocast._tree import is_array, is_inexact_array, map_floating
+from autocast._src.tree import is_array, is_inexact_array
 
 T = TypeVar("T")
 
 # The smallest normal float32: the floor under every scale, so that none ever reaches 0.
-_FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)
+FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
-def _concrete(x: Any) -> np.ndarray | None:
+def concrete_value(x: Any) -> np.ndarray | None:
     """The value of ``x`` when it is known at trace time, else None (a tracer)."""
     try:
         return np.asarray(x)
@@ -41,14 +35,14 @@ def _concrete(x: Any) -> np.ndarray | None:
         return None
 
 
-def _checked_scale(value: Any, name: str, *, allow_zero: bool = False) -> jax.Array:
+def checked_scale(value: Any, name: str, *, allow_zero: bool = False) -> jax.Array:
     """``value`` as a float32 scalar, after checking it is a positive finite number there."""
     what = "a non-negative" if allow_zero else "a positive"
     if isinstance(value, (bool, np.bool_, str, bytes)) or (
         hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number)
     ):
         raise TypeError(f"{name} must be {what} finite number, got {value!r}")
-    concrete = _concrete(value)
+    concrete = concrete_value(value)
     if concrete is not None:
         if concrete.shape != ():
             raise ValueError(f"{name} must be a scalar, got shape {concrete.shape}")
@@ -64,14 +58,14 @@ def _checked_scale(value: Any, name: str, *, allow_zero: bool = False) -> jax.Ar
     return jnp.asarray(value, dtype=jnp.float32)
 
 
-def _checked_count(value: Any, name: str, *, minimum: int) -> jax.Array:
+def checked_count(value: Any, name: str, *, minimum: int) -> jax.Array:
     """``value`` as an int32 scalar. A float with a whole value (``5.0``) counts as an integer,
     as it does in ``jmp`` and ``jaxamp``; a fractional one is refused rather than truncated."""
     if isinstance(value, (bool, np.bool_, str, bytes)) or (
         hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.number)
     ):
         raise TypeError(f"{name} must be an integer, got {value!r}")
-    concrete = _concrete(value)
+    concrete = concrete_value(value)
     if concrete is None:
         if not jnp.issubdtype(value.dtype, jnp.integer):
             # A traced float cannot be checked for a whole value; truncating it would be silent.
@@ -93,21 +87,21 @@ def _checked_count(value: Any, name: str, *, minimum: int) -> jax.Array:
     return jnp.asarray(value, dtype=jnp.int32)
 
 
-def _widened_product(x: jax.Array, factor: jax.Array) -> jax.Array:
+def widened_product(x: jax.Array, factor: jax.Array) -> jax.Array:
     """``x * factor`` in at least float32: a 16-bit ``x`` is promoted, so a scaled loss cannot
     overflow float16 and the factor is never rounded to 16 bits (2**16 is inf in float16)."""
     wide = jnp.promote_types(x.dtype, jnp.float32)
     return jnp.multiply(x.astype(wide), jnp.asarray(factor).astype(wide))
 
 
-def _unscale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+def unscale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
     # Divides rather than multiplying by the inverse, which is subnormal, or zero, above 2**126;
     # in at least float32, so the factor is not rounded, then back to the leaf's own dtype.
     wide = jnp.promote_types(x.dtype, jnp.float32)
     return jnp.divide(x.astype(wide), jnp.asarray(factor).astype(wide)).astype(x.dtype)
 
 
-def _check_finite_flag(grads_finite: Any) -> jax.Array:
+def check_finite_flag(grads_finite: Any) -> jax.Array:
     flag = jnp.asarray(grads_finite)
     if flag.dtype != jnp.bool_ or flag.shape != ():
         raise TypeError(
@@ -120,9 +114,16 @@ def _check_finite_flag(grads_finite: Any) -> jax.Array:
 class LossScaleUpdate(NamedTuple):
     """The outcome of one step of the dynamic rule (see :func:`next_loss_scale`).
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.LossScaleUpdate(jnp.float32(8.0), jnp.int32(0)).loss_scale
-    Array(8., dtype=float32)
+    A ``NamedTuple`` of two scalar arrays.
+
+    Attributes:
+        loss_scale: The new loss scale, in the dtype of the scale it was computed from.
+        counter: The new count of consecutive finite steps, in the dtype of the old count.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.LossScaleUpdate(jnp.float32(8.0), jnp.int32(0)).loss_scale
+        Array(8., dtype=float32)
     """
 
     loss_scale: jax.Array
@@ -143,24 +144,41 @@ def next_loss_scale(
     by ``factor`` (unless that overflows float32) and the counter resets. Non-finite gradients
     divide the scale by ``factor``, never below ``min_loss_scale`` nor below the smallest normal
     float32, and reset the counter. All arguments may be traced: no value leaves the device.
+    Nothing is checked here; the loss-scale classes check their fields when they are built.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.next_loss_scale(jnp.bool_(False), jnp.float32(1024.), jnp.int32(5),
-    ...                          jnp.int32(2000), jnp.float32(2.), jnp.float32(1.))
-    LossScaleUpdate(loss_scale=Array(512., dtype=float32), counter=Array(0, dtype=int32))
+    Args:
+        grads_finite: A boolean scalar: whether this step's gradients were all finite, as
+            :func:`all_finite` returns it.
+        loss_scale: The current loss scale, a floating scalar array (float32 in the library).
+        counter: The number of consecutive finite steps since the scale last changed, an
+            integer scalar array.
+        period: The number of consecutive finite steps after which the scale grows.
+        factor: What the scale is multiplied by to grow and divided by to shrink; greater than 1.
+        min_loss_scale: The floor of the scale. Below the smallest normal float32 (0, say),
+            that number is the floor.
+
+    Returns:
+        A :class:`LossScaleUpdate` ``(loss_scale, counter)``: the new scale in the dtype of
+        ``loss_scale`` and the new count in the dtype of ``counter``.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.next_loss_scale(jnp.bool_(False), jnp.float32(1024.), jnp.int32(5),
+        ...                          jnp.int32(2000), jnp.float32(2.), jnp.float32(1.))
+        LossScaleUpdate(loss_scale=Array(512., dtype=float32), counter=Array(0, dtype=int32))
     """
     counted = counter + 1
     grow = counted >= period
     grown = loss_scale * factor
     grown = jnp.where(jnp.isfinite(grown), grown, loss_scale)
-    floor = jnp.maximum(min_loss_scale, _FLOAT32_TINY)
+    floor = jnp.maximum(min_loss_scale, FLOAT32_TINY)
     shrunk = jnp.maximum(loss_scale / factor, floor)
     new_scale = jnp.where(grads_finite, jnp.where(grow, grown, loss_scale), shrunk)
     new_counter = jnp.where(grads_finite & ~grow, counted, jnp.zeros_like(counter))
     return LossScaleUpdate(new_scale.astype(loss_scale.dtype), new_counter.astype(counter.dtype))
 
 
-def _register(cls: type) -> type:
+def register_fields(cls: type) -> type:
     """Registers a loss-scale class as a pytree whose leaves are all of its fields.
 
     Unflattening bypasses the constructor: JAX rebuilds pytrees with tracers or placeholder
@@ -191,173 +209,28 @@ def _register(cls: type) -> type:
     return cls
 
 
-class LossScale(abc.ABC):
-    """The base type of every loss-scale object, ``jmp.LossScale``'s counterpart.
-
-    ``NoOpLossScale``, ``StaticLossScale``, ``DynamicLossScale`` and ``DynamicScalerState`` are
-    all instances, so it serves in annotations and ``isinstance`` checks. A loss scale has a
-    float32 ``loss_scale`` and three methods: ``scale(tree)`` multiplies the floating-point
-    leaves of a tree (the loss, usually) by it, promoting 16-bit leaves to float32 so that the
-    scaled loss cannot overflow; ``unscale(tree)`` divides the floating-point leaves (the
-    gradients) by it and keeps each leaf's dtype; ``adjust(grads_finite)`` returns the next
-    state.
-
-    >>> import autocast, jax.numpy as jnp
-    >>> ls = autocast.StaticLossScale(2.0**15)
-    >>> isinstance(ls, autocast.LossScale)
-    True
-    >>> ls.scale(jnp.float16(3.0))  # 98304 is beyond float16's range
-    Array(98304., dtype=float32)
-    >>> ls.unscale(jnp.float16(6144.0))  # gradients keep their dtype
-    Array(0.1875, dtype=float16)
-    """
-
-    __slots__ = ()
-    loss_scale: jax.Array
-
-    def scale(self, tree: T) -> T:
-        """Multiplies the floating-point leaves of ``tree`` by the loss scale; 16-bit leaves
-        come back in float32 (a scaled float16 loss of 2 at 2**15 would be inf)."""
-        return map_floating(lambda x: _widened_product(x, self.loss_scale), tree)
-
-    def unscale(self, tree: T) -> T:
-        """Divides the floating-point leaves of ``tree`` by the loss scale, keeping dtypes."""
-        return map_floating(lambda x: _unscale_leaf(x, self.loss_scale), tree)
-
-    @abc.abstractmethod
-    def adjust(self, grads_finite: jax.Array) -> LossScale:
-        """The next loss scale, given whether this step's gradients were all finite."""
-
-
-@_register
-@dataclasses.dataclass(frozen=True)
-class NoOpLossScale(LossScale):
-    """A loss scale that does nothing, for bfloat16 and float32 training.
-
-    >>> import autocast, jax.numpy as jnp
-    >>> ls = autocast.NoOpLossScale()
-    >>> ls.scale(jnp.float32(3.0)), ls.adjust(jnp.bool_(False)) is ls
-    (Array(3., dtype=float32), True)
-    """
-
-    @property
-    def loss_scale(self) -> jax.Array:
-        """Always 1."""
-        return jnp.ones((), jnp.float32)
-
-    def scale(self, tree: T) -> T:
-        """Returns ``tree`` unchanged."""
-        return tree
-
-    def unscale(self, tree: T) -> T:
-        """Returns ``tree`` unchanged."""
-        return tree
-
-    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
-        """Returns ``self``: nothing to adjust."""
-        _check_finite_flag(grads_finite)
-        return self
-
-
-@_register
-@dataclasses.dataclass(frozen=True)
-class StaticLossScale(LossScale):
-    """Scales and unscales by a fixed positive factor, kept in float32.
-
-    >>> import autocast, jax.numpy as jnp
-    >>> ls = autocast.StaticLossScale(128.0)
-    >>> ls.scale(jnp.float16(0.5))
-    Array(64., dtype=float32)
-    >>> ls.unscale(jnp.float16(64.0))
-    Array(0.5, dtype=float16)
-    """
-
-    loss_scale: jax.Array
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "loss_scale", _checked_scale(self.loss_scale, "loss_scale"))
-
-    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
-        """Returns ``self``: a static scale never changes."""
-        _check_finite_flag(grads_finite)
-        return self
-
-
-@_register
-@dataclasses.dataclass(frozen=True)
-class DynamicLossScale(LossScale):
-    """A loss scale that grows while gradients stay finite and shrinks when they do not.
-
-    Every ``period`` consecutive finite steps multiply the scale by ``factor``; a step with
-    non-finite gradients divides it by ``factor`` (never below ``min_loss_scale``, and never to
-    0: ``min_loss_scale=0`` means no floor but the smallest normal float32) and restarts the
-    count. The scale is kept in float32 whatever dtype it is given in, and every field is a
-    pytree leaf, so the state passes through ``jax.jit``, ``pickle`` and checkpoints whole.
-
-    >>> import autocast, dataclasses, jax.numpy as jnp
-    >>> ls = autocast.DynamicLossScale(2.0**15, period=2)
-    >>> grads = ls.unscale(jnp.ones(2, jnp.float16) * 2**10)
-    >>> ls = ls.adjust(autocast.all_finite(grads)).adjust(jnp.bool_(True))
-    >>> ls.loss_scale, ls.counter
-    (Array(65536., dtype=float32), Array(0, dtype=int32))
-    >>> ls.adjust(jnp.bool_(False)).loss_scale
-    Array(32768., dtype=float32)
-    >>> dataclasses.replace(ls, loss_scale=4.0) == autocast.DynamicLossScale(4.0, period=2)
-    True
-    """
-
-    loss_scale: jax.Array
-    counter: jax.Array = 0  # type: ignore[assignment]
-    period: jax.Array = 2000  # type: ignore[assignment]
-    factor: jax.Array = 2  # type: ignore[assignment]
-    min_loss_scale: jax.Array = 1.0  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        loss_scale = _checked_scale(self.loss_scale, "loss_scale")
-        min_loss_scale = _checked_scale(self.min_loss_scale, "min_loss_scale", allow_zero=True)
-        factor = _checked_scale(self.factor, "factor")
-        period = _checked_count(self.period, "period", minimum=1)
-        counter = _checked_count(self.counter, "counter", minimum=0)
-        f, lo, hi = _concrete(factor), _concrete(min_loss_scale), _concrete(loss_scale)
-        if f is not None and f <= 1:
-            raise ValueError(f"factor must be greater than 1, got {f}")
-        if lo is not None and hi is not None and hi < lo:
-            raise ValueError(f"loss_scale ({hi}) is below min_loss_scale ({lo})")
-        values = (loss_scale, counter, period, factor, min_loss_scale)
-        for field, value in zip(dataclasses.fields(self), values):
-            object.__setattr__(self, field.name, value)
-
-    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
-        """The next state, given whether this step's gradients were all finite.
-
-        Runs on device and may be traced; ``grads_finite`` is a boolean scalar such as
-        :func:`all_finite` returns.
-        """
-        update = next_loss_scale(
-            _check_finite_flag(grads_finite),
-            self.loss_scale,
-            self.counter,
-            self.period,
-            self.factor,
-            self.min_loss_scale,
-        )
-        return jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(self),
-            [update.loss_scale, update.counter, self.period, self.factor, self.min_loss_scale],
-        )
-
-
 class ScalingHealth(NamedTuple):
-    """How loss scaling is going, counted on the device (nothing is read by the host):
-
-    - ``skipped_in_a_row``: consecutive steps skipped for non-finite gradients or loss;
-    - ``steps_at_floor``: consecutive steps that ended with the scale at its floor, where a
-      smaller scale cannot help any more;
-    - ``zero_grad_steps``: steps whose finite gradients were all exactly zero, what a scale
-      too small for float16 gradients leaves (they underflow).
+    """How loss scaling is going, counted on the device (nothing is read by the host).
 
     Carried by :class:`autocast.DynamicScalerState` (as its fields) and by
-    ``autocast.optax.dynamic_loss_scaling``'s state; :func:`stalled` reads them.
+    ``autocast.optax.dynamic_loss_scaling``'s state, which update the counters once per step
+    (retries within a step count once); :func:`stalled` reads them. A ``NamedTuple``; every
+    field defaults to 0.
+
+    Attributes:
+        skipped_in_a_row: Consecutive steps skipped for non-finite gradients or loss.
+        steps_at_floor: Consecutive steps that ended with the scale at its floor, where a
+            smaller scale cannot help any more.
+        zero_grad_steps: Steps whose finite gradients were all exactly zero, what a scale too
+            small for float16 gradients leaves (they underflow).
+
+    Example:
+        >>> import autocast
+        >>> health = autocast.ScalingHealth(skipped_in_a_row=3)
+        >>> health
+        ScalingHealth(skipped_in_a_row=3, steps_at_floor=0, zero_grad_steps=0)
+        >>> autocast.stalled(health, max_skipped_in_a_row=2)
+        Array(True, dtype=bool)
     """
 
     skipped_in_a_row: Any = 0
@@ -377,7 +250,7 @@ def next_health(health: ScalingHealth, *, finite: Any, at_floor: Any, zero: Any)
     )
 
 
-def _health_of(state: Any) -> ScalingHealth:
+def health_of(state: Any) -> ScalingHealth:
     if isinstance(state, ScalingHealth):
         return state
     health = getattr(state, "health", None)  # autocast.optax's state
@@ -398,21 +271,36 @@ def stalled(
     max_steps_at_floor: int = 200,
     max_zero_grad_steps: int = 10,
 ) -> jax.Array:
-    """A boolean scalar, on the device: has loss scaling stopped training?
+    """Whether loss scaling has stopped training, as a boolean scalar on the device.
 
     True when more than ``max_skipped_in_a_row`` steps in a row were skipped, the scale has
     sat at its floor for more than ``max_steps_at_floor`` steps, or more than
-    ``max_zero_grad_steps`` steps had all-zero gradients. ``state`` is a
-    :class:`DynamicScalerState`, the state of ``autocast.optax.dynamic_loss_scaling`` or a
-    :class:`ScalingHealth`. Nothing is read by the host: branch on it with ``lax.cond``,
-    fail with :func:`check_not_stalled` under ``checkify``, or read it every N steps.
+    ``max_zero_grad_steps`` steps had all-zero gradients. Nothing is read by the host: branch
+    on it with ``lax.cond``, fail with :func:`check_not_stalled` under ``checkify``, or read it
+    every N steps.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> state = autocast.DynamicScalerState(skipped_in_a_row=11)
-    >>> autocast.stalled(state), autocast.stalled(state, max_skipped_in_a_row=20)
-    (Array(True, dtype=bool), Array(False, dtype=bool))
+    Args:
+        state: A :class:`DynamicScalerState`, the state of
+            ``autocast.optax.dynamic_loss_scaling`` (its own ``LossScalingState``: a chain's
+            state that holds one is not searched) or a :class:`ScalingHealth`.
+        max_skipped_in_a_row: How many consecutive skipped steps are tolerated (default 10).
+        max_steps_at_floor: How many consecutive steps at the scale's floor are tolerated
+            (default 200).
+        max_zero_grad_steps: How many steps with all-zero gradients are tolerated (default 10).
+
+    Returns:
+        A boolean scalar ``jax.Array``.
+
+    Raises:
+        TypeError: If ``state`` is none of the accepted types.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> state = autocast.DynamicScalerState(skipped_in_a_row=11)
+        >>> autocast.stalled(state), autocast.stalled(state, max_skipped_in_a_row=20)
+        (Array(True, dtype=bool), Array(False, dtype=bool))
     """
-    h = _health_of(state)
+    h = health_of(state)
     return (
         (jnp.asarray(h.skipped_in_a_row) > max_skipped_in_a_row)
         | (jnp.asarray(h.steps_at_floor) > max_steps_at_floor)
@@ -421,22 +309,37 @@ def stalled(
 
 
 def check_not_stalled(state: Any, **limits: int) -> None:
-    """Fails the step, through ``jax.experimental.checkify``, when :func:`stalled` holds
-    (with the same ``limits``): wrap the train step in ``checkify.checkify`` and call
-    ``err.throw()`` where the host looks anyway. The message gives the three counters.
+    """Fails the step, through ``jax.experimental.checkify``, when :func:`stalled` holds.
 
-    >>> import autocast, jax, jax.numpy as jnp
-    >>> from jax.experimental import checkify
-    >>> def step(state):
-    ...     autocast.check_not_stalled(state, max_skipped_in_a_row=3)
-    ...     return state.scaler
-    >>> err, _ = checkify.checkify(step)(autocast.DynamicScalerState(skipped_in_a_row=4))
-    >>> err.get()
-    'loss scaling stalled: 4 steps skipped in a row, 0 at the scale floor, 0 with all-zero gradients...'
+    Wrap the train step in ``checkify.checkify`` and call ``err.throw()`` where the host looks
+    anyway. The message gives the three counters. Call it inside a function that
+    ``checkify.checkify`` transforms: ``jax.jit`` cannot stage a bare ``checkify.check``.
+
+    Args:
+        state: What :func:`stalled` accepts: a :class:`DynamicScalerState`, the state of
+            ``autocast.optax.dynamic_loss_scaling`` or a :class:`ScalingHealth`.
+        **limits: The thresholds of :func:`stalled`: ``max_skipped_in_a_row``,
+            ``max_steps_at_floor`` and ``max_zero_grad_steps``, with its defaults.
+
+    Returns:
+        None. The failure, if any, is in the error that ``checkify.checkify`` returns.
+
+    Raises:
+        TypeError: If ``state`` is none of the accepted types.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> from jax.experimental import checkify
+        >>> def step(state):
+        ...     autocast.check_not_stalled(state, max_skipped_in_a_row=3)
+        ...     return state.scaler
+        >>> err, _ = checkify.checkify(step)(autocast.DynamicScalerState(skipped_in_a_row=4))
+        >>> err.get()
+        'loss scaling stalled: 4 steps skipped in a row, 0 at the scale floor, 0 with all-zero gradients...'
     """
     from jax.experimental import checkify
 
-    h = _health_of(state)
+    h = health_of(state)
     checkify.check(
         ~stalled(h, **limits),
         "loss scaling stalled: {a} steps skipped in a row, {b} at the scale floor, "
@@ -450,7 +353,7 @@ def all_zero(tree: Any) -> jax.Array:
     a tree with none.)
 
     >>> import autocast, jax.numpy as jnp
-    >>> from autocast.loss_scale import all_zero
+    >>> from autocast._src.scaling.core import all_zero
     >>> all_zero({"a": jnp.zeros(3), "b": jnp.array([0.0, -0.0])}), all_zero(jnp.ones(1))
     (Array(True, dtype=bool), Array(False, dtype=bool))
     """
@@ -461,16 +364,23 @@ def all_zero(tree: Any) -> jax.Array:
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """One boolean scalar: are all floating-point leaves of ``tree`` free of inf and NaN?
+    """Whether all floating-point leaves of ``tree`` are free of inf and NaN, as one boolean scalar.
 
     Computed on device with no host synchronisation. Complex leaves count (both parts must be
     finite); integer, boolean and non-array leaves are ignored, and an empty tree is finite.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
-    Array(False, dtype=bool)
-    >>> autocast.all_finite({})
-    Array(True, dtype=bool)
+    Args:
+        tree: Any pytree, such as the gradients of one step.
+
+    Returns:
+        A boolean scalar ``jax.Array``.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
+        Array(False, dtype=bool)
+        >>> autocast.all_finite({})
+        Array(True, dtype=bool)
     """
     leaves = [
         x
@@ -483,16 +393,25 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def nonfinite_leaves(tree: Any) -> Any:
-    """Leaf by leaf, a boolean scalar: does this floating leaf hold an inf or NaN?
+    """Leaf by leaf, whether each floating-point leaf holds an inf or NaN.
 
     The tree of :func:`all_finite`'s answer, for finding out *which* gradients overflowed
     when a dynamically scaled step was skipped. Computed on device with no host
     synchronisation: return it from the jitted step and read it outside (see
-    :func:`nonfinite_paths`). Integer, boolean and non-array leaves are ``False``.
+    :func:`nonfinite_paths`).
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.nonfinite_leaves({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf]), "n": 3})
-    {'a': Array(False, dtype=bool), 'b': Array(True, dtype=bool), 'n': Array(False, dtype=bool)}
+    Args:
+        tree: Any pytree, such as the gradients of one step.
+
+    Returns:
+        A pytree of ``tree``'s structure whose leaves are boolean scalar arrays: True where a
+        floating-point or complex leaf holds an inf or NaN. Integer, boolean and non-array
+        leaves are ``False``.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.nonfinite_leaves({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf]), "n": 3})
+        {'a': Array(False, dtype=bool), 'b': Array(True, dtype=bool), 'n': Array(False, dtype=bool)}
     """
     def flag(x: Any) -> jax.Array:
         return jnp.logical_not(jnp.isfinite(x).all()) if is_inexact_array(x) else jnp.array(False)
@@ -504,12 +423,23 @@ def nonfinite_paths(flags: Any) -> list[str]:
     """The key paths of the leaves :func:`nonfinite_leaves` flagged, in tree order.
 
     Reads the flags on the host: call it outside the compiled step, on what it returned
-    (a tree of gradients works too, and is checked the same way).
+    (a tree of gradients works too, and is checked the same way). The leaves must be concrete
+    values, not tracers.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> grads = {"head": {"w": jnp.array([jnp.nan])}, "embed": jnp.ones(2)}
-    >>> autocast.nonfinite_paths(autocast.nonfinite_leaves(grads))
-    ["['head']['w']"]
+    Args:
+        flags: A tree :func:`nonfinite_leaves` returned, or a tree of gradients. A boolean leaf
+            counts when any of its elements is True, a floating-point or complex leaf when it
+            holds an inf or NaN; other leaves never count.
+
+    Returns:
+        A list of strings, one per leaf that counts, each the leaf's key path as
+        ``jax.tree_util.keystr`` writes it (``"['head']['w']"``); empty when none counts.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> grads = {"head": {"w": jnp.array([jnp.nan])}, "embed": jnp.ones(2)}
+        >>> autocast.nonfinite_paths(autocast.nonfinite_leaves(grads))
+        ["['head']['w']"]
     """
     found = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(flags):
@@ -527,10 +457,25 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 
     Array leaves must agree in dtype and shape (nothing is promoted); other leaves must be
     equal in both trees and pass through. Works under ``jax.jit`` with a traced ``pred``.
+    Used to skip an update: ``select_tree(finite, new_params, params)``.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> autocast.select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
-    {'w': Array([0., 0.], dtype=float32)}
+    Args:
+        pred: A boolean scalar (a Python bool, NumPy or JAX value, or a tracer).
+        a: The pytree to return where ``pred`` is True.
+        b: The pytree to return where ``pred`` is False, with the structure of ``a``.
+
+    Returns:
+        A pytree of ``a``'s structure: each array leaf taken from ``a`` or ``b`` by ``pred``,
+        each other leaf as it is in both.
+
+    Raises:
+        TypeError: If ``pred`` is not a boolean scalar; if array leaves at the same place
+            differ in dtype or shape; if non-array leaves at the same place are not equal.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> autocast.select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+        {'w': Array([0., 0.], dtype=float32)}
     """
     pred = jnp.asarray(pred)
     if pred.dtype != jnp.bool_ or pred.shape != ():

@@ -18,10 +18,11 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from autocast import _compat
-from autocast.closures import instantiate, traced_call
-from autocast._tree import is_array, is_inexact_dtype
-from autocast.interpreter import SPREAD, STRONG, Context, decide_by_scope, eval_jaxpr
-from autocast.retrace import (
+from autocast._src.policy.casting import cast_value, castable
+from autocast._src.transform import interpreter
+from autocast._src.transform.closures import instantiate, traced_call
+from autocast._src.transform.interpreter import SPREAD, STRONG, Context, eval_jaxpr
+from autocast._src.transform.retrace import (
     TRACES,
     literals_of,
     retrace,
@@ -30,9 +31,7 @@ from autocast.retrace import (
     spec_of,
     with_dtype,
 )
-from autocast.rules import _castable, cast_value, use_original_precision
-
-Handler = Callable[[Any, list, Sequence[int], Context], Sequence[Any]]
+from autocast._src.tree import is_array, is_inexact_dtype
 
 
 def _as_list(eqn: Any, outs: Any) -> list[Any]:
@@ -60,7 +59,7 @@ def _sole_casts(jaxpr: Any) -> dict[int, Any]:
     for i, v in enumerate(jaxpr.invars):
         if len(uses[v]) == 1 and uses[v][0] is not None:
             eqn = uses[v][0]
-            if eqn.primitive.name == "convert_element_type" and _castable(v.aval, eqn.params["new_dtype"]):
+            if eqn.primitive.name == "convert_element_type" and castable(v.aval, eqn.params["new_dtype"]):
                 found[i] = eqn.params["new_dtype"]
     return found
 
@@ -98,7 +97,7 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
     from the first block on; other inputs, constants included, enter as they are."""
     jaxpr = eqn.params["jaxpr"]
     invals = [
-        cast_value(x, ctx.compute_dtype) if k == SPREAD and _castable(x, v.aval.dtype) else x
+        cast_value(x, ctx.compute_dtype) if k == SPREAD and castable(x, v.aval.dtype) else x
         for x, k, v in zip(invals, kinds, eqn.invars)
     ]
     traced = retrace(
@@ -474,7 +473,7 @@ def _bind_in_original_precision(
     eqn: Any, invals: list, kinds: Sequence[int], ctx: Context
 ) -> Sequence[Any]:
     """Bound exactly as recorded, on inputs cast back to their recorded dtypes: linear solves
-    and reductions with a computation of their own (SPEC 3.4 keeps linear algebra out of 16
+    and reductions with a computation of their own (linear algebra stays out of 16
     bits), and any higher-order equation under a scope that asks for original precision."""
     return _compat.bind_equation(eqn, _recorded_dtypes(eqn.invars, invals), eqn.params)
 
@@ -482,7 +481,7 @@ def _bind_in_original_precision(
 def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list:
     """Each floating array of ``values`` in its dtype of ``dtypes`` (None: left as it is)."""
     return [
-        cast_value(x, d) if d is not None and is_array(x) and _castable(x, d) else x
+        cast_value(x, d) if d is not None and is_array(x) and castable(x, d) else x
         for x, d in zip(values, dtypes)
     ]
 
@@ -508,7 +507,7 @@ def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequ
                 out_dtypes=[a.dtype for a in value.out_avals],
             )
         if isinstance(value, _compat.Jaxpr):  # open: its constants cannot be re-typed in place
-            raise _unsupported(eqn)
+            raise interpreter.unsupported(eqn)
         if type(value) in (tuple, list):
             return type(value)(retyped(v) for v in value)
         return value
@@ -517,7 +516,7 @@ def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequ
     return _compat.bind_equation(eqn, _recorded_dtypes(eqn.invars, invals), params)
 
 
-HANDLERS: dict[str, Handler] = {
+interpreter.HANDLERS.update({
     **{name: _jit for name in _compat.JIT_NAMES},
     "closed_call": _inline_call,
     "core_call": _inline_call,
@@ -535,54 +534,8 @@ HANDLERS: dict[str, Handler] = {
     "linear_solve": _bind_in_original_precision,  # lineax (optimistix's Newton steps too)
     "reduce": _bind_in_original_precision,  # lax.reduce with a computation of its own
     "reduce_window": _bind_in_original_precision,  # lax.reduce_window likewise
-}
-
-# Kernels are written for fixed dtypes: they are first-order equations for amp, decided by
-# the policy like any other primitive (the default table keeps them in original precision),
-# so their inner jaxpr is never re-typed and the report lists them.
-KERNELS = frozenset({"pallas_call"})
-
-# JAX's own primitives seen to carry no sub-jaxprs: decided once per primitive. Another
-# library's primitive can carry a jaxpr in one call and none in the next (lineax's
-# linear_solve with a matrix, then with a function operator): it is looked at every time.
-_FIRST_ORDER: set[Any] = set()
-
-
-def handler_for(eqn: Any, ctx: Context) -> Handler | None:
-    """The handler of a higher-order equation, None for a first-order one.
-
-    Raises ``NotImplementedError`` for one of JAX's own primitives that carries sub-jaxprs
-    but has no handler, unless a named scope puts the equation in original precision
-    (``amp_stop``).
-    """
-    prim = eqn.primitive
-    if prim in _FIRST_ORDER:
-        return None
-    name = prim.name
-    handler = HANDLERS.get(name)
-    if handler is not None:
-        return handler
-    if name in KERNELS or name in _compat.FIRST_ORDER_WITH_JAXPRS:
-        return None
-    carried = _compat.sub_jaxpr_params(eqn.params)
-    own = _compat.primitive_by_name(name) is prim
-    if not carried:
-        if own:
-            _FIRST_ORDER.add(prim)
-        return None
-    if decide_by_scope(eqn, ctx) is use_original_precision:
-        return _bind_in_original_precision
-    if not own:
-        return _foreign
-    raise _unsupported(eqn)
-
-
-def _unsupported(eqn: Any) -> NotImplementedError:
-    carried = _compat.sub_jaxpr_params(eqn.params)
-    return NotImplementedError(
-        f"amp does not support the higher-order primitive '{eqn.primitive.name}' (it carries "
-        f"the sub-jaxpr parameter(s) {', '.join(carried)}); supported: "
-        f"{', '.join(sorted(HANDLERS))}, and other libraries' primitives that keep closed "
-        "jaxprs in their parameters. Wrap the call in autocast.amp_stop() to run it untouched "
-        "in original precision."
-    )
+})
+interpreter.ROLES.update({
+    "original precision": _bind_in_original_precision,
+    "foreign": _foreign,
+})

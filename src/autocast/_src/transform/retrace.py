@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from autocast import _compat
-from autocast.interpreter import Context, eval_jaxpr
-from autocast.rules import _castable, cast_value
+from autocast._src.policy.casting import cast_value, castable
+from autocast._src.transform.interpreter import Context, eval_jaxpr
 
 
 class _IdentityCache:
@@ -113,7 +113,7 @@ def retrace(
         outs = eval_jaxpr(jaxpr, consts, args, ctx, kinds)
         if out_key is not None:
             outs = [
-                x if d is None or not _castable(x, d) else cast_value(x, d)
+                x if d is None or not castable(x, d) else cast_value(x, d)
                 for x, d in zip(outs, out_key)
             ]
         return outs

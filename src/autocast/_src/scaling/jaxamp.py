@@ -20,24 +20,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from autocast._tree import is_array, is_inexact_array, is_inexact_dtype
-from autocast.loss_scale import (
-    _FLOAT32_TINY,
-    DynamicLossScale,
-    LossScale,
+from autocast._src.scaling.core import (
+    FLOAT32_TINY,
     ScalingHealth,
-    _check_finite_flag,
-    _checked_count,
-    _checked_scale,
-    _concrete,
-    _register,
-    _widened_product,
     all_finite,
     all_zero,
+    check_finite_flag,
+    checked_count,
+    checked_scale,
+    concrete_value,
     next_health,
     next_loss_scale,
+    register_fields,
     select_tree,
+    widened_product,
 )
+from autocast._src.scaling.jmp import DynamicLossScale, LossScale
+from autocast._src.tree import is_array, is_inexact_array, is_inexact_dtype
 
 # The keyword that carries the state into the function handed to a gradient transformation;
 # jaxamp's name, so a transformation written for jaxamp sees what it expects.
@@ -62,7 +61,7 @@ def _state_from_leaves(cls: type, values: tuple) -> Any:
     return tuple.__new__(cls, values)
 
 
-@_register
+@register_fields
 class DynamicScalerState(_ScalerStateFields, LossScale):
     """The state of dynamic loss scaling, as ``jaxamp`` names it: a NamedTuple and a pytree.
 
@@ -74,19 +73,49 @@ class DynamicScalerState(_ScalerStateFields, LossScale):
     float32 and never becomes 0 or inf. As in ``jaxamp`` it is a ``NamedTuple`` (``_replace``,
     ``_asdict``); the constructor and ``_replace`` check and convert every field (int32
     counts, float32 factor, scaler and floor). Beyond jaxamp's fields it carries the floor and
-    the :class:`autocast.ScalingHealth` counters (``skipped_in_a_row``, ``steps_at_floor``,
-    ``zero_grad_steps``), updated once per step by :func:`dynamic_scale_value_and_grad`
-    and read by :func:`autocast.stalled`.
+    the :class:`autocast.ScalingHealth` counters, updated once per step by
+    :func:`dynamic_scale_value_and_grad`, :func:`dynamic_scale_grad` and
+    :func:`dynamic_scale_tx` (not by :meth:`adjust`) and read by :func:`autocast.stalled`.
+    It is an :class:`autocast.LossScale`: ``loss_scale`` and ``min_loss_scale`` are
+    ``scaler`` and ``min_scaler`` under the other classes' names, and ``scale`` and
+    ``unscale`` work as there.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> state = autocast.DynamicScalerState(patience=1, scaler=8.0)
-    >>> state = state.adjust(jnp.bool_(True)).adjust(jnp.bool_(True))
-    >>> state.scaler, state.count
-    (Array(16., dtype=float32), Array(0, dtype=int32))
-    >>> state.adjust(jnp.bool_(False)).total_resets
-    Array(1, dtype=int32)
-    >>> float(state._replace(scaler=4.0).scaler)
-    4.0
+    Attributes:
+        patience: The ``count`` at which the next finite step grows the scale, an int32
+            scalar, at least 1 (default 2000).
+        adjust_factor: What the scale is multiplied by to grow and divided by to shrink, a
+            float32 scalar greater than 1 (default 2).
+        scaler: The current scale, a positive float32 scalar (default 2**15).
+        count: Consecutive finite steps since the scale last changed, an int32 scalar
+            (default 0).
+        total_resets: How many attempts, retries included, had gradients that were not
+            finite, an int32 scalar (default 0).
+        min_scaler: The floor of the scale, a non-negative float32 scalar at most ``scaler``
+            (default 1); below the smallest normal float32, that number is the floor.
+        skipped_in_a_row: Consecutive skipped steps (see :class:`autocast.ScalingHealth`),
+            an int32 scalar (default 0).
+        steps_at_floor: Consecutive steps that ended at the floor, an int32 scalar (default 0).
+        zero_grad_steps: Steps whose finite gradients were all zero, an int32 scalar
+            (default 0).
+
+    Raises:
+        TypeError: If a field is not a real number, or a count is not an integer (a float with
+            a whole value is accepted; a traced float is not).
+        ValueError: If a field is not a scalar; if ``scaler``, ``adjust_factor`` or
+            ``min_scaler`` is not finite in float32 or not positive (``min_scaler`` may be 0);
+            if a count is fractional, below its minimum or beyond int32; if ``adjust_factor``
+            is not greater than 1; if ``scaler`` is below ``min_scaler``.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> state = autocast.DynamicScalerState(patience=1, scaler=8.0)
+        >>> state = state.adjust(jnp.bool_(True)).adjust(jnp.bool_(True))
+        >>> state.scaler, state.count
+        (Array(16., dtype=float32), Array(0, dtype=int32))
+        >>> state.adjust(jnp.bool_(False)).total_resets
+        Array(1, dtype=int32)
+        >>> float(state._replace(scaler=4.0).scaler)
+        4.0
     """
 
     __slots__ = ()
@@ -103,30 +132,41 @@ class DynamicScalerState(_ScalerStateFields, LossScale):
         steps_at_floor: Any = 0,
         zero_grad_steps: Any = 0,
     ) -> DynamicScalerState:
-        adjust_factor = _checked_scale(adjust_factor, "adjust_factor")
-        factor = _concrete(adjust_factor)
+        adjust_factor = checked_scale(adjust_factor, "adjust_factor")
+        factor = concrete_value(adjust_factor)
         if factor is not None and factor <= 1:
             raise ValueError(f"adjust_factor must be greater than 1, got {factor}")
-        scaler = _checked_scale(scaler, "scaler")
-        min_scaler = _checked_scale(min_scaler, "min_scaler", allow_zero=True)
-        lo, hi = _concrete(min_scaler), _concrete(scaler)
+        scaler = checked_scale(scaler, "scaler")
+        min_scaler = checked_scale(min_scaler, "min_scaler", allow_zero=True)
+        lo, hi = concrete_value(min_scaler), concrete_value(scaler)
         if lo is not None and hi is not None and hi < lo:
             raise ValueError(f"scaler ({hi}) is below min_scaler ({lo}); pass a smaller min_scaler")
         values = (
-            _checked_count(patience, "patience", minimum=1),
+            checked_count(patience, "patience", minimum=1),
             adjust_factor,
             scaler,
-            _checked_count(count, "count", minimum=0),
-            _checked_count(total_resets, "total_resets", minimum=0),
+            checked_count(count, "count", minimum=0),
+            checked_count(total_resets, "total_resets", minimum=0),
             min_scaler,
-            _checked_count(skipped_in_a_row, "skipped_in_a_row", minimum=0),
-            _checked_count(steps_at_floor, "steps_at_floor", minimum=0),
-            _checked_count(zero_grad_steps, "zero_grad_steps", minimum=0),
+            checked_count(skipped_in_a_row, "skipped_in_a_row", minimum=0),
+            checked_count(steps_at_floor, "steps_at_floor", minimum=0),
+            checked_count(zero_grad_steps, "zero_grad_steps", minimum=0),
         )
         return tuple.__new__(cls, values)
 
     def _replace(self, **changes: Any) -> DynamicScalerState:
-        """A copy with some fields changed, checked and converted like the constructor's."""
+        """A copy with some fields changed, checked and converted like the constructor's.
+
+        Args:
+            **changes: New values by field name.
+
+        Returns:
+            A new :class:`DynamicScalerState`; ``self`` is unchanged.
+
+        Raises:
+            ValueError: If a name in ``changes`` is not a field; or as the constructor raises.
+            TypeError: As the constructor raises.
+        """
         unknown = sorted(set(changes) - set(self._fields))
         if unknown:
             raise ValueError(
@@ -143,8 +183,22 @@ class DynamicScalerState(_ScalerStateFields, LossScale):
         return self.scaler  # type: ignore[no-any-return]
 
     def adjust(self, grads_finite: jax.Array) -> DynamicScalerState:
-        """The next state, given whether this step's gradients were all finite."""
-        finite = _check_finite_flag(grads_finite)
+        """The next state, given whether this step's gradients were all finite.
+
+        Moves ``scaler``, ``count`` and ``total_resets`` by the rule described above; the floor and
+        the health counters are carried over unchanged. Runs on device and may be traced.
+
+        Args:
+            grads_finite: A boolean scalar, traced or not: whether this step's gradients were all
+                finite, as :func:`autocast.all_finite` returns it.
+
+        Returns:
+            A new :class:`DynamicScalerState`; ``self`` is unchanged.
+
+        Raises:
+            TypeError: If ``grads_finite`` is not a boolean scalar.
+        """
+        finite = check_finite_flag(grads_finite)
         # Fields rebuilt by _make or a pytree map may arrive as plain numbers.
         scaler = jnp.asarray(self.scaler, jnp.float32)
         count = jnp.asarray(self.count, jnp.int32)
@@ -268,7 +322,7 @@ def _with_health(state: Any, finite: jax.Array, zero: jax.Array) -> Any:
     """The health counters moved on by one step, for a state that carries them."""
     if not isinstance(state, DynamicScalerState):
         return state
-    floor = jnp.maximum(jnp.asarray(state.min_scaler, jnp.float32), _FLOAT32_TINY)
+    floor = jnp.maximum(jnp.asarray(state.min_scaler, jnp.float32), FLOAT32_TINY)
     health = next_health(
         ScalingHealth(state.skipped_in_a_row, state.steps_at_floor, state.zero_grad_steps),
         finite=finite, at_floor=state.scaler <= floor, zero=zero,
@@ -349,7 +403,7 @@ def _scaled_transform(
 
         def attempt(state: Any) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
             results = unscale_fn(transformed(*args, **{_STATE_KEYWORD: state}, **kwargs), state)
-            finite = _check_finite_flag(finite_fn(results))
+            finite = check_finite_flag(finite_fn(results))
             retryable = inputs_finite if loss_finite_fn is None else inputs_finite & loss_finite_fn(results)
             zero = all_zero(grads_fn(results))
             if axis_name is not None:  # every device takes the same decisions
@@ -374,7 +428,7 @@ def _scale_loss(value: Any, state: Any) -> Any:
     if is_array(value) or isinstance(value, (bool, int, float, complex)):
         value = jnp.asarray(value)
         if is_inexact_dtype(value.dtype):
-            return _widened_product(value, state.loss_scale)
+            return widened_product(value, state.loss_scale)
     return value
 
 
@@ -413,20 +467,46 @@ def dynamic_scale_tx(
     ``dynamic_scale_tx(transform)(fun, *args, **kwargs)`` is ``transform(fun, *args,
     **kwargs)`` (``jax.grad``, ``jax.value_and_grad``, ``eqx.filter_grad``...) with loss
     scaling: the returned function takes the extra keyword ``dynamic_scaler_state`` and returns
-    ``(new_state, results)``. ``scale_fn(output, state)`` scales ``fun``'s output before the
-    transformation sees it (default: a scalar loss, or the first element of a ``(loss, aux)``
-    pair, multiplied by the scale in at least float32). ``unscale_fn(results, state)`` undoes
-    it on what the transformation returns (default: every floating-point leaf divided by the
-    scale, dtypes kept; with ``has_aux`` that includes the aux, so pass your own, or use
-    :func:`dynamic_scale_grad`). The state moves on whether all the unscaled results are
-    finite; ``redo_on_nan=k`` retries up to ``k`` times with smaller scales inside the
-    compiled program; ``axis_name`` makes every device take the same decision.
+    ``(new_state, results)``. The state moves on whether all the unscaled results are finite;
+    ``redo_on_nan=k`` retries up to ``k`` times with smaller scales inside the compiled
+    program, except where the arguments hold an inf or NaN (that step keeps its scale) or
+    the scale is at its floor; ``axis_name`` makes every device take the same decision. The
+    function ``transform`` receives takes the state as an extra keyword argument rather than
+    closing over it, so a transformation that compiles is not retraced for every state.
 
-    >>> import autocast, jax, jax.numpy as jnp
-    >>> grad_fn = autocast.dynamic_scale_tx(jax.grad, redo_on_nan=5)(lambda x: x**3)
-    >>> state, g = grad_fn(jnp.float16(2.0), dynamic_scaler_state=autocast.DynamicScalerState())
-    >>> g, state.scaler  # 12 * 2**15 overflows float16: retried at 2**12
-    (Array(12., dtype=float16), Array(4096., dtype=float32))
+    Args:
+        transform: A gradient transformation, called as ``transform(fun, *args, **kwargs)``.
+        redo_on_nan: How many times a step whose results are not finite is retried with a
+            smaller scale, a non-negative int (default 0).
+        unscale_fn: ``unscale_fn(results, state)`` undoes the scaling on what the
+            transformation returns. ``None`` (the default): every floating-point leaf divided
+            by the scale, dtypes kept; with ``has_aux`` that includes the aux, so pass your own,
+            or use :func:`dynamic_scale_grad`.
+        scale_fn: ``scale_fn(output, state)`` scales ``fun``'s output before the transformation
+            sees it. ``None`` (the default): a scalar loss, or the first element of a
+            ``(loss, aux)`` pair, multiplied by the scale in at least float32.
+        axis_name: The name of a mapped axis over which every device takes the same decision;
+            ``None`` (the default) for none.
+
+    Returns:
+        A function ``(fun, *args, **kwargs)`` that returns the transformed ``fun``: a function
+        ``(*fun_args, dynamic_scaler_state, **fun_kwargs)`` returning ``(new_state, results)``,
+        where ``results`` is what ``transform``'s function returns, unscaled.
+
+    Raises:
+        TypeError: If ``transform``, ``unscale_fn`` or ``scale_fn`` is not callable, or
+            ``redo_on_nan`` is not an int; if the returned function is given a ``fun`` that is
+            not callable. When the transformed function is called: if ``dynamic_scaler_state``
+            is missing or is not a loss scale, or if, with the default ``scale_fn``, ``fun``
+            returns neither an array, a Python number nor a pair.
+        ValueError: If ``redo_on_nan`` is negative.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> grad_fn = autocast.dynamic_scale_tx(jax.grad, redo_on_nan=5)(lambda x: x**3)
+        >>> state, g = grad_fn(jnp.float16(2.0), dynamic_scaler_state=autocast.DynamicScalerState())
+        >>> g, state.scaler  # 12 * 2**15 overflows float16: retried at 2**12
+        (Array(12., dtype=float16), Array(4096., dtype=float32))
     """
     if not callable(transform):
         raise TypeError(
@@ -467,27 +547,56 @@ def dynamic_scale_value_and_grad(
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` with dynamic loss scaling, ``jaxamp``'s signature and defaults.
 
-    The returned function takes ``fun``'s arguments plus the keyword
-    ``dynamic_scaler_state`` and returns ``(new_state, (value, grads))``, or
-    ``(new_state, ((value, aux), grads))`` with ``has_aux``; value and gradients are unscaled
-    and in the primal dtypes. When the gradients have inf or NaN the scale shrinks and the step
-    is retried, up to ``redo_on_nan`` times (10 by default, as in ``jaxamp``), inside the
-    compiled program; if they are still not finite they come back as they are: skip the update
-    (``autocast.select_tree``, ``optax.apply_if_finite``). ``filter=True`` differentiates
-    only the floating-point array leaves of the differentiated arguments (``None`` gradients
-    for the rest), so Equinox modules and pytrees with strings or ints work. ``axis_name``
-    makes every device under ``pmap``/``shard_map`` take the same decision. Other keywords
-    (``argnums``...) go to ``jax.value_and_grad``. A loss that is not a floating-point scalar
-    raises ``jax.value_and_grad``'s own ``TypeError``.
+    The returned function takes ``fun``'s arguments plus the keyword ``dynamic_scaler_state``.
+    It multiplies the loss by the current scale (in at least float32) before differentiating,
+    divides the gradients by it afterwards and checks them for inf and NaN; value and gradients
+    come back unscaled and in the primal dtypes. When the gradients have inf or NaN the scale
+    shrinks and the step is retried, up to ``redo_on_nan`` times, inside the compiled program;
+    if they are still not finite they come back as they are: skip the update
+    (``autocast.select_tree``, ``optax.apply_if_finite``). A step is retried only where a
+    smaller scale can help: not when the loss or the arguments hold an inf or NaN (such a step
+    is skipped with its scale kept) and not once the scale sits at its floor. Nothing is read
+    by the host. A loss that is not a floating-point scalar raises ``jax.value_and_grad``'s own
+    ``TypeError``.
 
-    A float16 loss whose gradient overflows at the initial scale, retried once at half of it:
+    Args:
+        fun: The function to differentiate. It returns a floating-point scalar loss, or a
+            ``(loss, aux)`` pair with ``has_aux``.
+        has_aux: Whether ``fun`` returns a ``(loss, aux)`` pair (default False).
+        redo_on_nan: How many times a step whose gradients are not finite is retried with a
+            smaller scale, a non-negative int (default 10, as in ``jaxamp``).
+        filter: If True (the default), differentiate only the floating-point array leaves of
+            the differentiated arguments and give ``None`` gradients for the rest, so Equinox
+            modules and pytrees with strings or ints work. If False, plain
+            ``jax.value_and_grad``.
+        axis_name: The name of a mapped axis (``pmap``, ``shard_map``) over which every device
+            takes the same decision to grow, shrink, retry or skip; ``None`` (the default) for
+            none.
+        **grad_kwargs: Passed on to ``jax.value_and_grad`` (``argnums``...).
 
-    >>> import autocast, jax.numpy as jnp
-    >>> loss = lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
-    >>> grad_fn = autocast.dynamic_scale_value_and_grad(loss)
-    >>> state, (value, grads) = grad_fn(jnp.ones(2), dynamic_scaler_state=autocast.DynamicScalerState())
-    >>> value, grads, state.scaler, state.total_resets
-    (Array(2., dtype=float32), Array([2., 2.], dtype=float32), Array(16384., dtype=float32), Array(1, dtype=int32))
+    Returns:
+        A function ``(*args, dynamic_scaler_state, **kwargs)`` returning
+        ``(new_state, (value, grads))``, or ``(new_state, ((value, aux), grads))`` with
+        ``has_aux``. ``new_state`` has the type of ``dynamic_scaler_state`` (a
+        :class:`DynamicScalerState` or another :class:`autocast.LossScale`; only the former
+        carries health counters). ``grads`` has the structure ``jax.value_and_grad`` gives for
+        ``argnums``.
+
+    Raises:
+        TypeError: If ``fun`` is not callable or ``redo_on_nan`` is not an int. When the
+            returned function is called: if ``dynamic_scaler_state`` is missing or is not a loss
+            scale, or if with ``has_aux`` ``fun`` does not return a pair.
+        ValueError: If ``redo_on_nan`` is negative.
+
+    Example:
+        A float16 loss whose gradient overflows at the initial scale, retried once at half of it:
+
+        >>> import autocast, jax.numpy as jnp
+        >>> loss = lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
+        >>> grad_fn = autocast.dynamic_scale_value_and_grad(loss)
+        >>> state, (value, grads) = grad_fn(jnp.ones(2), dynamic_scaler_state=autocast.DynamicScalerState())
+        >>> value, grads, state.scaler, state.total_resets
+        (Array(2., dtype=float32), Array([2., 2.], dtype=float32), Array(16384., dtype=float32), Array(1, dtype=int32))
     """
     _check_options(fun, redo_on_nan)
     argnums = grad_kwargs.pop("argnums", 0)
@@ -541,15 +650,39 @@ def dynamic_scale_grad(
     axis_name: Any = None,
     **grad_kwargs: Any,
 ) -> Callable[..., Any]:
-    """``jax.grad`` with dynamic loss scaling: returns ``(new_state, grads)``, or
-    ``(new_state, (grads, aux))`` with ``has_aux``. As in ``jaxamp``, ``redo_on_nan``
-    defaults to 0 here (no retry). See :func:`dynamic_scale_value_and_grad`.
+    """``jax.grad`` with dynamic loss scaling.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> grad_fn = autocast.dynamic_scale_grad(lambda w: jnp.sum(w ** 2), has_aux=False)
-    >>> state, grads = grad_fn(jnp.ones(2), dynamic_scaler_state=autocast.DynamicScalerState())
-    >>> grads
-    Array([2., 2.], dtype=float32)
+    :func:`dynamic_scale_value_and_grad` without the value, with the same checks, retries and
+    skipping. As in ``jaxamp``, ``redo_on_nan`` defaults to 0 here (no retry).
+
+    Args:
+        fun: The function to differentiate. It returns a floating-point scalar loss, or a
+            ``(loss, aux)`` pair with ``has_aux``.
+        has_aux: Whether ``fun`` returns a ``(loss, aux)`` pair (default False).
+        redo_on_nan: How many times a step whose gradients are not finite is retried with a
+            smaller scale, a non-negative int (default 0).
+        filter: If True (the default), differentiate only the floating-point array leaves of
+            the differentiated arguments (``None`` gradients for the rest).
+        axis_name: The name of a mapped axis over which every device takes the same decision;
+            ``None`` (the default) for none.
+        **grad_kwargs: Passed on to ``jax.value_and_grad`` (``argnums``...).
+
+    Returns:
+        A function ``(*args, dynamic_scaler_state, **kwargs)`` returning
+        ``(new_state, grads)``, or ``(new_state, (grads, aux))`` with ``has_aux``.
+
+    Raises:
+        TypeError: If ``fun`` is not callable or ``redo_on_nan`` is not an int. When the
+            returned function is called: if ``dynamic_scaler_state`` is missing or is not a loss
+            scale, or if with ``has_aux`` ``fun`` does not return a pair.
+        ValueError: If ``redo_on_nan`` is negative.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> grad_fn = autocast.dynamic_scale_grad(lambda w: jnp.sum(w ** 2), has_aux=False)
+        >>> state, grads = grad_fn(jnp.ones(2), dynamic_scaler_state=autocast.DynamicScalerState())
+        >>> grads
+        Array([2., 2.], dtype=float32)
     """
     value_and_grad = dynamic_scale_value_and_grad(
         fun, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter, axis_name=axis_name,

@@ -1,8 +1,8 @@
 """The numerics debugger: which equation, on which line, lost precision or overflowed under
-amp, measured against the program in float32, and the policy that cures it (SPEC 7).
+amp, measured against the program in float32, and the policy that cures it.
 
 amp's program is traced with every output of a user's equation marked, then evaluated once
-beside its float32 reference (:mod:`autocast.paired`); each marked equation becomes an
+beside its float32 reference (:mod:`autocast._src.tools.paired`); each marked equation becomes an
 :class:`Entry`. How the figures are defined is in ``docs/diagnose.md``.
 """
 
@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 
-from autocast import _compat, paired, provenance
-from autocast._tree import is_floating_dtype
-from autocast.report import _table
-from autocast.rules import use_full_precision
-from autocast.transform import amp as _amp
+from autocast import _compat
+from autocast._src.policy.precision import use_full_precision
+from autocast._src.tools import paired, provenance
+from autocast._src.tools.report import _table
+from autocast._src.transform.amp import amp as _amp
+from autocast._src.tree import is_floating_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,38 @@ class Entry:
     floored at 0. ``overflow`` counts elements that are infinite or NaN where the
     reference's are finite; ``underflow`` elements that are zero where the reference's are
     not. In a loop, errors are the worst over iterations, counts are totals, and ``runs``
-    says how many times the equation ran.
+    says how many times the equation ran. How the figures are defined is in
+    ``docs/diagnose.md``.
+
+    Attributes:
+        primitive: The primitive's name (``"dot_general"``).
+        source: ``"file:line"`` of the user's code: the equation's own line or, for an
+            equation inside a library function, that of the innermost enclosing call that
+            has one (``""`` if none has).
+        function: The name of the function that line is in.
+        scopes: The named scopes around the equation, outermost first.
+        dtype: The NumPy dtype amp ran the equation in.
+        rel_error: The relative error of the output, a float: ``inf`` where amp's output is
+            non-finite and the reference's finite.
+        added_error: The part of ``rel_error`` this equation added, a float.
+        overflow: The number of elements non-finite here and finite in the reference.
+        underflow: The number of elements zero here and non-zero in the reference.
+        runs: How many times the equation ran.
+        backward: Whether the equation belongs to a backward pass (a transposed equation).
+        policy_key: The key a policy gives to change this equation's precision: its innermost
+            named scope, or else its primitive. Not shown in ``repr``, not compared.
+        scope: The named scopes joined by ``/`` (``""`` where there are none).
+        where: A short location for tables: the file's base name and line, and the scope.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> def f(w, x):
+        ...     return jnp.sum(x @ w)
+        >>> w, x = jnp.full((4, 4), 300.0), jnp.ones((2, 4))
+        >>> d = autocast.diagnose(f, compute_dtype=jnp.float16)(w, x)
+        >>> e = d.entries[0]
+        >>> e.primitive, e.dtype, e.function, e.scopes, e.runs, e.backward
+        ('dot_general', dtype('float16'), 'f', (), 1, False)
     """
 
     primitive: str
@@ -54,7 +86,7 @@ class Entry:
 
     @property
     def scope(self) -> str:
-        """The named scopes joined by ``/`` ("" where there are none)."""
+        """The named scopes joined by ``/`` (``""`` where there are none)."""
         return "/".join(self.scopes)
 
     @property
@@ -68,16 +100,40 @@ class Entry:
 class Diagnosis:
     """What :func:`diagnose` found; ``str(diagnosis)`` renders it as a table.
 
-    ``entries`` are in program order; ``first_nonfinite`` is the earliest entry, in the
-    order the program ran, whose output was non-finite where the reference's was finite
-    (None if there is none); ``culprits`` are the entries where non-finite values arose from
-    finite inputs, or else the one that added the most error; ``suggested_policy`` is the
-    policy amp ran with, extended so the culprits run in full precision (keyed by each one's
-    innermost named scope where it has one, else by its primitive); ``output`` is
-    amp's result and ``reference`` the float32 program's; ``output_error`` the largest
-    relative error among the floating outputs; ``diverged`` how many times amp's program
-    took another branch or loop trip count than the reference (both then follow amp's
-    branch; a loop runs on until both have stopped).
+    Attributes:
+        entries: One :class:`Entry` per equation that ran, in program order.
+        first_nonfinite: The earliest entry, in the order the program ran, whose output was
+            non-finite where the reference's was finite; ``None`` if there is none.
+        suggested_policy: The policy amp ran with, extended so the culprits run in full
+            precision (:func:`autocast.use_full_precision`), keyed by each one's innermost
+            named scope where it has one, else by its primitive. Pass it as ``amp_policy``.
+        culprits: The entries where non-finite values arose from finite inputs, or else the
+            one that added the most error (none if no entry added any).
+        output: amp's result, with ``fn``'s output structure and NumPy arrays as leaves.
+        reference: The float32 program's result, in the same form.
+        output_error: The largest relative error among the floating outputs, a float.
+        diverged: How many times amp's program took another branch or loop trip count than
+            the reference (both then follow amp's branch; a loop runs on until both have
+            stopped).
+        compute_dtype: The dtype amp computed in: for a float8 recipe, the forward float8
+            format.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> f = lambda w: jnp.sum(w @ w)
+        >>> d = autocast.diagnose(f, compute_dtype=jnp.float16)(jnp.full((2, 2), 300.0))
+        >>> [e.primitive for e in d.entries], [e.primitive for e in d.culprits]
+        (['dot_general', 'reduce_sum'], ['dot_general'])
+        >>> d.output, d.reference
+        (array(inf, dtype=float32), array(720000., dtype=float32))
+        >>> print(d.table(rows=1))
+        amp numerics diagnosis (float16 compute; reference: the program in float32)
+          2 equations (0 in backward passes); output relative error inf
+          first non-finite: dot_general in float16 at ...
+        ...
+          ... 1 more (Diagnosis.entries)
+        <BLANKLINE>
+          suggested_policy: the policy with dot_general in full precision
     """
 
     entries: tuple[Entry, ...]
@@ -91,7 +147,16 @@ class Diagnosis:
     compute_dtype: np.dtype
 
     def worst(self, n: int | None = None) -> list[Entry]:
-        """Entries from worst to best: the first non-finite one, then by added error."""
+        """Entries from worst to best: the first non-finite one, then by added error.
+
+        Ties in added error are broken by relative error, then by overflow count.
+
+        Args:
+            n: How many entries to return; ``None`` (the default) for all.
+
+        Returns:
+            A list of at most ``n`` :class:`Entry` objects.
+        """
         ranked = sorted(
             self.entries,
             key=lambda e: (e is not self.first_nonfinite, -e.added_error, -e.rel_error, -e.overflow),
@@ -99,7 +164,17 @@ class Diagnosis:
         return ranked if n is None else ranked[:n]
 
     def table(self, rows: int = 15) -> str:
-        """The diagnosis as text, with the ``rows`` worst entries; ``str()`` shows 15."""
+        """The diagnosis as text, with the ``rows`` worst entries; ``str()`` shows 15.
+
+        Args:
+            rows: How many entries the table lists, worst first (default 15); a line after the
+                table says how many more there are.
+
+        Returns:
+            A multi-line string: a header with the compute dtype, the number of equations, the
+            output's relative error and the first non-finite equation, then the table, then the
+            keys :attr:`suggested_policy` moves to full precision.
+        """
         return _render(self, rows)
 
     def __str__(self) -> str:
@@ -114,21 +189,40 @@ def diagnose(
 ) -> Callable[..., Diagnosis]:
     """Finds where ``amp(fn, compute_dtype=..., amp_policy=...)`` loses precision or overflows.
 
-    Returns a function taking ``fn``'s arguments and returning a :class:`Diagnosis`: one
-    :class:`Entry` per equation amp evaluated (inside ``jit``, loops, branches, checkpoints
-    and custom-derivative functions too), each with its source line, named scopes, the dtype
-    it ran in and its error against the same program run in float32. ``fn`` may be anything
-    ``amp`` accepts, ``jax.grad(loss)`` included, to look at a backward pass.
+    amp's program is evaluated once beside the same program in float32, and one
+    :class:`Entry` is recorded per equation amp evaluated (inside ``jit``, loops, branches,
+    checkpoints and custom-derivative functions too), each with its source line, named scopes,
+    the dtype it ran in and its error against the reference. ``fn`` may be anything ``amp``
+    accepts, ``jax.grad(loss)`` included, to look at a backward pass.
 
-    >>> import autocast, jax.numpy as jnp
-    >>> def f(w, x):
-    ...     return jnp.sum(x @ w)
-    >>> d = autocast.diagnose(f, compute_dtype=jnp.float16)(jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0))
-    >>> d.first_nonfinite.primitive, d.first_nonfinite.dtype
-    ('dot_general', dtype('float16'))
-    >>> fixed = autocast.amp(f, compute_dtype=jnp.float16, amp_policy=d.suggested_policy)
-    >>> float(fixed(jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0)))
-    2880000.0
+    Args:
+        fn: The function to examine: anything ``amp`` accepts.
+        compute_dtype: As for :func:`autocast.amp`: a floating dtype, a dtype name or a float8
+            recipe; ``None`` (the default) means :func:`autocast.half_dtype`.
+        amp_policy: As for :func:`autocast.amp`: a mapping from named-scope strings and
+            primitives to precision functions; ``None`` (the default) means
+            :data:`autocast.default_amp_policy`.
+
+    Returns:
+        A function that takes ``fn``'s arguments and returns a :class:`Diagnosis` for them.
+
+    Raises:
+        TypeError: As :func:`autocast.amp` raises it, for ``fn``, ``compute_dtype`` or
+            ``amp_policy``; when the returned function is called, if ``fn`` returns a
+            generator or a coroutine.
+        ValueError: As :func:`autocast.amp` raises it, for a ``compute_dtype`` string that
+            names no floating dtype or a float8 type without a recipe.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> def f(w, x):
+        ...     return jnp.sum(x @ w)
+        >>> d = autocast.diagnose(f, compute_dtype=jnp.float16)(jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0))
+        >>> d.first_nonfinite.primitive, d.first_nonfinite.dtype
+        ('dot_general', dtype('float16'))
+        >>> fixed = autocast.amp(f, compute_dtype=jnp.float16, amp_policy=d.suggested_policy)
+        >>> float(fixed(jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0)))
+        2880000.0
     """
     amp_fn = _amp(fn, compute_dtype=compute_dtype, amp_policy=amp_policy)
 

@@ -34,8 +34,8 @@ import jax
 import numpy as np
 
 from autocast import _compat
-from autocast._tree import is_array
-from autocast.rules import _castable, cast_value
+from autocast._src.policy.casting import cast_value, castable
+from autocast._src.tree import is_array
 
 RESTORE_SCOPE = "amp_entry_output"
 
@@ -67,14 +67,14 @@ def _target_dtype() -> np.dtype | None:
 
 
 def _narrowed(x: Any, dtype: np.dtype) -> Any:
-    if is_array(x) and _castable(x, x.dtype) and np.dtype(x.dtype).itemsize > dtype.itemsize:
+    if is_array(x) and castable(x, x.dtype) and np.dtype(x.dtype).itemsize > dtype.itemsize:
         return cast_value(x, dtype)
     return x
 
 
 def _call(fn: Callable[..., Any], dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
     leaves = jax.tree_util.tree_leaves((args, kwargs))
-    wide = [x.dtype for x in leaves if is_array(x) and _castable(x, x.dtype)]
+    wide = [x.dtype for x in leaves if is_array(x) and castable(x, x.dtype)]
     if not wide:
         return fn(*args, **kwargs)
     back = max((np.dtype(d) for d in wide), key=lambda d: d.itemsize)
@@ -91,23 +91,45 @@ def _call(fn: Callable[..., Any], dtype: np.dtype, args: tuple, kwargs: dict) ->
 def in_compute_dtype(
     fn: Callable[..., Any] | None = None, *, when: Callable[..., bool] | None = None
 ) -> Any:
-    """Marks ``fn`` as an entry point: under ``amp`` it is called on its floating-point
-    arguments cast to the compute dtype, and its result flows on in that dtype.
+    """Marks ``fn`` as an entry point that ``amp`` calls in the compute dtype.
 
-    For functions that choose or check their kernel by dtype while tracing: fused attention,
-    Pallas kernels written for bfloat16. Elsewhere ``fn`` runs as it is called. ``when``,
-    given the call's arguments, can limit it to some calls (``jax.nn.dot_product_attention``
-    is an entry point where it may pick cuDNN's kernel). Usable as ``@in_compute_dtype``
-    and ``@in_compute_dtype(when=...)``.
+    Under ``amp``, ``fn`` is called on its floating-point arguments cast to the compute dtype,
+    and its result flows on in that dtype. For functions that choose or check their kernel by
+    dtype while tracing: fused attention, Pallas kernels written for bfloat16. Elsewhere ``fn``
+    runs as it is called: outside amp's trace, under a compute dtype of 32 bits or more, and
+    inside a named scope the policy keeps in its own precision (``amp_stop``). ``when``, given
+    the call's arguments, can limit it to some calls (``jax.nn.dot_product_attention`` is an
+    entry point where it may pick cuDNN's kernel). Usable as ``@in_compute_dtype`` and
+    ``@in_compute_dtype(when=...)``.
 
-    >>> import autocast, jax, jax.numpy as jnp
-    >>> @autocast.in_compute_dtype
-    ... def kernel(q, k):  # stands for a kernel written for bfloat16 only
-    ...     assert q.dtype == jnp.bfloat16, q.dtype
-    ...     return q @ k.T
-    >>> f = autocast.amp(lambda q, k: kernel(q, k).sum(), compute_dtype=jnp.bfloat16)
-    >>> f(jnp.ones((2, 4)), jnp.ones((3, 4)))
-    Array(24., dtype=float32)
+    Only floating-point array arguments wider than the compute dtype are cast (never float64);
+    floating results in the compute dtype are cast back to the widest of those arguments' dtypes,
+    so the traced program keeps its signature, and amp's interpreter drops that cast again.
+
+    Args:
+        fn: The function to mark. ``None`` (the default) makes ``in_compute_dtype`` return a
+            decorator that marks the function it is applied to.
+        when: A predicate called with the same arguments as ``fn``; a call for which it returns
+            a false value runs as called. ``None`` (the default) makes every call under ``amp``
+            an entry-point call.
+
+    Returns:
+        A wrapper with ``fn``'s name and docstring, called like ``fn``, that returns ``fn``'s
+        result. A function that is already an entry point is returned unchanged (its ``when``
+        stays). With ``fn=None``, a decorator.
+
+    Raises:
+        TypeError: If ``fn`` is given and is not callable.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> @autocast.in_compute_dtype
+        ... def kernel(q, k):  # stands for a kernel written for bfloat16 only
+        ...     assert q.dtype == jnp.bfloat16, q.dtype
+        ...     return q @ k.T
+        >>> f = autocast.amp(lambda q, k: kernel(q, k).sum(), compute_dtype=jnp.bfloat16)
+        >>> f(jnp.ones((2, 4)), jnp.ones((3, 4)))
+        Array(24., dtype=float32)
     """
     if fn is None:
         return functools.partial(in_compute_dtype, when=when)

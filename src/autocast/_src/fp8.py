@@ -1,4 +1,4 @@
-"""Float8 matrix products (SPEC 8): ``amp(fn, compute_dtype=jnp.float8_e4m3fn)``.
+"""Float8 matrix products: ``amp(fn, compute_dtype=jnp.float8_e4m3fn)``.
 
 The recipe is a policy, not a second engine: the default table with its matrix-product rows
 (``dot_general``, ``conv_general_dilated``) given :func:`use_fp8_precision`, and bfloat16 as
@@ -27,18 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
-from autocast.policy import canonicalize_float_dtype
-from autocast.rules import (
+from autocast._src.policy.casting import castable
+from autocast._src.policy.dtypes import canonicalize_float_dtype
+from autocast._src.policy.precision import (
     CUSTOM_BINDINGS,
     PolicyKey,
     PrecisionFn,
-    _castable,
     use_compute_precision,
 )
 
 _F32 = np.dtype(np.float32)
 
-# What everything but the scaled products runs in (SPEC 8: the bfloat16 rules).
+# What everything but the scaled products runs in (the bfloat16 rules).
 CARRIER = np.dtype(jnp.bfloat16)
 
 # Forward format -> the format of the output gradients in the backward products. e5m2
@@ -119,7 +119,7 @@ def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
     with ``q * scale ≈ x``, ``q``'s largest magnitude the format's largest finite value.
 
     >>> import jax.numpy as jnp
-    >>> from autocast.fp8 import quantise
+    >>> from autocast._src.fp8 import quantise
     >>> q, s = quantise(jnp.array([1e-6, -2e-6, 4e-6]), jnp.float8_e4m3fn)
     >>> q.dtype, q.astype(jnp.float32).tolist(), round(float(s) * 1e6, 4)
     (dtype(float8_e4m3fn), [112.0, -224.0, 448.0], 0.0089)
@@ -240,7 +240,7 @@ _cached_product = functools.lru_cache(maxsize=1024)(_product)
 
 def _scaled(x: Any) -> bool:
     """A value the recipe quantises: floating, wider than 8 bits, not float64."""
-    return _castable(x, x.dtype) and np.dtype(x.dtype).itemsize > 1
+    return castable(x, x.dtype) and np.dtype(x.dtype).itemsize > 1
 
 
 def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
@@ -291,16 +291,36 @@ def use_fp8_precision(
     ``amp(fn, compute_dtype="fp8")`` gives the matrix-product rows of the policy this rule;
     it can also be given to a named scope only, with a 16-bit compute dtype elsewhere.
 
-    >>> import autocast, jax, jax.numpy as jnp
-    >>> policy = {**autocast.default_amp_policy, "mlp": autocast.use_fp8_precision}
-    >>> def f(w, x):
-    ...     with jax.named_scope("mlp"):
-    ...         x = x @ w
-    ...     return x @ w
-    >>> r = autocast.report(f, compute_dtype=jnp.bfloat16, amp_policy=policy)(
-    ...     jnp.ones((4, 4)), jnp.ones((2, 4)))
-    >>> r.summary["fp8_flop_share"]
-    {'forward': 0.5, 'backward': 0.5}
+    The casts are those of :func:`use_compute_precision`; the float8 product is evaluated when
+    ``amp`` binds the equation. Batched products (attention's, one small product per head)
+    and grouped or depthwise convolutions run in the compute dtype instead, and a product with
+    an operand that is float64 or already 8-bit is bound unscaled. The float8 products have
+    first derivatives only: differentiating them twice (``jax.hessian``, grad of grad) raises a
+    ``TypeError``.
+
+    Args:
+        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
+        original_dtypes: The dtypes the original program gave the equation's inputs, one per
+            value in ``invars``.
+        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
+            possibly already 16-bit.
+        **bind_params: The primitive's parameters, as the equation records them.
+
+    Returns:
+        The pair :func:`use_compute_precision` returns: ``invars`` as a tuple with each
+        floating-point input cast to the compute dtype, and ``bind_params``.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> policy = {**autocast.default_amp_policy, "mlp": autocast.use_fp8_precision}
+        >>> def f(w, x):
+        ...     with jax.named_scope("mlp"):
+        ...         x = x @ w
+        ...     return x @ w
+        >>> r = autocast.report(f, compute_dtype=jnp.bfloat16, amp_policy=policy)(
+        ...     jnp.ones((4, 4)), jnp.ones((2, 4)))
+        >>> r.summary["fp8_flop_share"]
+        {'forward': 0.5, 'backward': 0.5}
     """
     # The casts are the compute dtype's; the float8 product is the binding registered below.
     return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)

@@ -11,11 +11,19 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, overload
 
 import jax
 
-from autocast import _compat, closures, entry_points, fp8
-from autocast._tree import is_array, is_floating_dtype
-from autocast.interpreter import RAW, UNMAPPED, Context, eval_jaxpr
-from autocast.policy import canonicalize_float_dtype, half_dtype
-from autocast.rules import cast_value, changes_no_dtype, default_amp_policy, is_compute_rule
+from autocast import _compat
+from autocast._src import fp8
+from autocast._src.policy.casting import cast_value
+from autocast._src.policy.dtypes import canonicalize_float_dtype, half_dtype
+from autocast._src.policy.precision import is_compute_rule
+from autocast._src.policy.table import changes_no_dtype, default_amp_policy
+from autocast._src.transform import (
+    closures,
+    entry_points,
+    handlers,  # noqa: F401 - fills the interpreter's handler table
+)
+from autocast._src.transform.interpreter import RAW, UNMAPPED, Context, eval_jaxpr
+from autocast._src.tree import is_array, is_floating_dtype
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,7 +96,7 @@ class _Traced:
         """The jaxpr evaluated under ``ctx``, outputs cast back to the original dtypes and
         weak types (``amp(lambda a: a * 2)(1.0)`` is weak, as under ``jax.jit``). Under a
         policy that changes no dtype, the jaxpr as recorded (see
-        :func:`autocast.rules.changes_no_dtype`)."""
+        :func:`autocast._src.policy.table.changes_no_dtype`)."""
         if ctx.observer is None and changes_no_dtype(ctx.policy, ctx.compute_dtype):
             return functools.partial(jax.core.eval_jaxpr, self.jaxpr.jaxpr, self.jaxpr.consts)
 
@@ -116,7 +124,7 @@ class _Traced:
 
 def _unmapped(mapped_by: Sequence[frozenset], every: frozenset) -> list[int] | None:
     """Kinds for values when ``jax.vmap(amp(f))`` maps some inputs and not others, else None:
-    those not mapped by every vmap are UNMAPPED (see :mod:`autocast.interpreter`), so both
+    those not mapped by every vmap are UNMAPPED (see :mod:`autocast._src.transform.interpreter`), so both
     orders give a bias add the same dtype."""
     if not every:
         return None
@@ -143,7 +151,7 @@ class _Amp:
             self.fp8_recipe = None if compute_dtype is None else fp8.recipe_for(compute_dtype)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e}; accepted for float8 matrix products: {fp8.ACCEPTED}") from None
-        # A float8 compute dtype is a recipe (SPEC 8): scaled float8 matrix products, and
+        # A float8 compute dtype is a recipe: scaled float8 matrix products, and
         # bfloat16 for everything else.
         if self.fp8_recipe is not None:
             compute_dtype = fp8.CARRIER
@@ -278,24 +286,61 @@ def amp(
     float64 values are never cast. Works under and around ``jax.jit``, ``jax.grad`` and
     ``jax.vmap``. Usable as ``@amp`` and ``@amp(compute_dtype=...)``.
 
+    Only the array leaves of the arguments are traced. Every other leaf, Python floats
+    included, is static, as in Equinox's ``filter_jit``: a new value means a new trace, so
+    pass a scalar that changes on every call (a learning rate) as an array. While an ``amp``
+    function is being traced, an ``amp`` function called inside it runs as plain ``fn``: the
+    outermost one's settings apply.
+
     A float8 ``compute_dtype`` (``jnp.float8_e4m3fn``, ``"fp8"``, ``jnp.float8_e5m2``) runs
     the matrix products in float8 with per-tensor scaling and everything else in bfloat16
-    (:func:`autocast.use_fp8_precision`; README, "Float8 compute").
+    (:func:`autocast.use_fp8_precision`; docs/fp8.md).
 
     ``amp_policy`` maps ``jax.named_scope`` names and primitives to precision functions; the
     outermost matching scope wins, then the primitive, then the key ``"amp_default"``. A
     policy you pass replaces the default: extend it with ``{**autocast.default_amp_policy,
     ...}``.
 
-    >>> import autocast, jax, jax.numpy as jnp
-    >>> def layer(w, x):
-    ...     return jax.nn.relu(x @ w).sum()
-    >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
-    >>> autocast.amp(layer, compute_dtype=jnp.bfloat16)(w, x)
-    Array(32., dtype=float32)
-    >>> jaxpr = jax.make_jaxpr(autocast.amp(layer, compute_dtype=jnp.bfloat16))(w, x)
-    >>> [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-    [dtype(bfloat16)]
+    Args:
+        fn: The function to run: any callable that takes and returns pytrees of arrays.
+            ``None`` (the default) makes ``amp`` return a decorator that applies the given
+            keyword arguments, for ``@amp(compute_dtype=...)``.
+        compute_dtype: The dtype of matrix products and convolutions: a floating dtype
+            (``jnp.bfloat16``, ``jnp.float16``) or a name :func:`autocast.parse_dtype`
+            accepts (``"bf16"``), or a float8 recipe: ``"fp8"`` or ``"float8"`` (both
+            ``jnp.float8_e4m3fn``), ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2`` or their
+            ``fnuz`` variants. ``None`` (the default) means :func:`autocast.half_dtype`,
+            resolved at the first call rather than when ``amp`` is applied.
+        amp_policy: A mapping from named-scope strings and JAX primitives (such as
+            ``jax.lax.exp_p``) to precision functions
+            ``f(compute_dtype, original_dtypes, *invars, **bind_params)``. ``None`` (the
+            default) means :data:`autocast.default_amp_policy`.
+
+    Returns:
+        A callable with ``fn``'s name and docstring that takes ``fn``'s arguments and
+        returns ``fn``'s result, with the same tree structure, shapes and dtypes. Called
+        outside any transformation, it runs one compiled program. With ``fn=None``, a
+        decorator that makes such a callable of the function it is applied to.
+
+    Raises:
+        TypeError: If ``fn`` is not callable; if ``amp_policy`` is not a mapping, or has a
+            key that is neither a string nor a JAX primitive, or a value that is not
+            callable; if ``compute_dtype`` is not a floating dtype. With ``fn=None`` these
+            checks run when the decorator is applied. When the returned callable is called:
+            if ``fn`` returns a generator or a coroutine.
+        ValueError: If ``compute_dtype`` is a string that names no floating dtype, or a
+            float8 type that has no recipe (``jnp.float8_e3m4``).
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> def layer(w, x):
+        ...     return jax.nn.relu(x @ w).sum()
+        >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+        >>> autocast.amp(layer, compute_dtype=jnp.bfloat16)(w, x)
+        Array(32., dtype=float32)
+        >>> jaxpr = jax.make_jaxpr(autocast.amp(layer, compute_dtype=jnp.bfloat16))(w, x)
+        >>> [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+        [dtype(bfloat16)]
     """
     if fn is None:
         return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=amp_policy)
@@ -317,19 +362,33 @@ def amp_stop(fn: Callable[..., Any] | None = None) -> Any:
     """Keeps original precision inside: a context manager, or a decorator.
 
     It opens the named scope ``"amp_stop"``, which the default policy maps to original
-    precision; the policy's other rules do not reach inside.
+    precision; the policy's other rules do not reach inside. A policy of your own has this
+    effect only where it maps ``"amp_stop"`` too, as ``{**autocast.default_amp_policy, ...}``
+    does. Outside ``amp`` the scope changes nothing.
 
-    >>> import autocast, jax, jax.numpy as jnp
-    >>> @autocast.amp_stop
-    ... def precise(w, x):
-    ...     return x @ w
-    >>> def f(w, x):
-    ...     with autocast.amp_stop():
-    ...         y = x @ w
-    ...     return precise(w, y) + x @ w
-    >>> jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=jnp.bfloat16))(jnp.ones((2, 2)), jnp.ones((2, 2)))
-    >>> [e.outvars[0].aval.dtype.name for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-    ['float32', 'float32', 'bfloat16']
+    Args:
+        fn: A function to run in original precision. ``None`` (the default) makes
+            ``amp_stop()`` return a context manager instead.
+
+    Returns:
+        With ``fn``, a function with ``fn``'s name and docstring that calls ``fn`` inside
+        the scope. Without, a context manager that opens the scope for its ``with`` block.
+
+    Raises:
+        TypeError: If ``fn`` is given and is not callable.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> @autocast.amp_stop
+        ... def precise(w, x):
+        ...     return x @ w
+        >>> def f(w, x):
+        ...     with autocast.amp_stop():
+        ...         y = x @ w
+        ...     return precise(w, y) + x @ w
+        >>> jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=jnp.bfloat16))(jnp.ones((2, 2)), jnp.ones((2, 2)))
+        >>> [e.outvars[0].aval.dtype.name for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+        ['float32', 'float32', 'bfloat16']
     """
     if fn is None:
         return _amp_stop_scope()

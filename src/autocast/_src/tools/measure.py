@@ -1,4 +1,4 @@
-"""Measures of what mixed precision did to a program (SPEC 5), read off its jaxpr, and how
+"""Measures of what mixed precision did to a program, read off its jaxpr, and how
 far its results moved from float32's.
 
 Used by the tests, the benchmarks and the report. Everything here is backend-independent:
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from autocast import _compat
-from autocast._tree import is_floating_dtype
+from autocast._src.tree import is_floating_dtype
 
 _REMAT_NAMES = frozenset({"remat2", "checkpoint"})
 MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"})
@@ -125,12 +125,12 @@ def count_casts(jaxpr: Any) -> int:
 
 def recompute_casts(jaxpr: Any) -> int:
     """Casts that widen a 16-bit input inside the backward pass's recomputation of amp's wide
-    regions (:mod:`autocast.regions`): the price of keeping the 16-bit input as the residual
+    regions (:mod:`autocast._src.transform.regions`): the price of keeping the 16-bit input as the residual
     instead of its float32 copy. XLA fuses each into the kernel that consumes it.
 
     Meaningful on the jaxpr of a gradient, where a region's forward equations stand inlined
     and only its recomputation remains a checkpoint."""
-    from autocast.regions import save_nothing
+    from autocast._src.transform.regions import save_nothing
 
     count = 0
     for eqn in equations(jaxpr):

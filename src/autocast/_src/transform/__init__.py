@@ -1,0 +1,1 @@
+"""See autocast._src."""

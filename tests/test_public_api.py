@@ -1,0 +1,92 @@
+"""The public face: what ``import autocast`` offers is documented with an example, and the
+package's modules import one another one way only."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import autocast
+import autocast.optax
+
+SRC = Path(autocast.__file__).parent
+PUBLIC = [(autocast, name) for name in autocast.__all__] + [(autocast.optax, n) for n in autocast.optax.__all__]
+
+
+@pytest.mark.parametrize("module, name", PUBLIC, ids=[f"{m.__name__}.{n}" for m, n in PUBLIC])
+def test_every_public_name_is_documented_with_an_example(module, name):
+    obj = getattr(module, name)
+    doc = inspect.getdoc(obj) if (inspect.isclass(obj) or callable(obj)) else _data_doc(module, name)
+    assert doc and ">>>" in doc, f"{name}: no docstring with a runnable example"
+    if inspect.isfunction(obj):
+        assert "Returns:" in doc, f"{name}: no Returns: section"
+        if inspect.signature(obj).parameters:
+            assert "Args:" in doc, f"{name}: no Args: section"
+
+
+def _data_doc(module, name):
+    """The string literal that follows a module-level assignment of ``name``."""
+    for path in SRC.rglob("*.py"):
+        body = ast.parse(path.read_text()).body
+        for node, after in zip(body, body[1:]):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                    return after.value.value
+    return None
+
+
+def test_the_public_face_holds_no_implementation():
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    kinds = {type(node).__name__ for node in tree.body}
+    assert kinds <= {"Expr", "ImportFrom", "Import", "Assign"}, kinds
+    exported = {n for n in dir(autocast) if not n.startswith("_")} - {"optax"}
+    assert exported == set(autocast.__all__), exported ^ set(autocast.__all__)
+
+
+def _imports(path: Path) -> set[str]:
+    """The autocast modules ``path`` imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autocast"):
+            for alias in node.names:  # `from autocast._src.x import y` may import module y
+                child = f"{node.module}.{alias.name}"
+                found.add(child if _module_path(child) else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("autocast")}
+    return found
+
+
+def _module_path(name: str) -> Path | None:
+    base = SRC.parent.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def test_no_import_circles():
+    modules = {
+        ".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in SRC.rglob("*.py")
+    }
+    graph = {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
+    done, stack = set(), []
+
+    def visit(m):
+        if m in stack:
+            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+        if m in done:
+            return
+        stack.append(m)
+        for d in graph[m]:
+            visit(d)
+        stack.pop()
+        done.add(m)
+
+    for m in graph:
+        visit(m)
+    assert "autocast._src.transform.handlers" not in graph["autocast._src.transform.interpreter"]
