@@ -62,21 +62,7 @@ import trace_overhead  # noqa: E402
 
 import autocast  # noqa: E402
 from autocast._src.demo import models as _models  # noqa: E402
-
-
-def _peak_bytes(compiled: Any) -> int | None:
-    """The compiled program's peak memory as XLA plans it: its own figure where the JAX
-    version reports one, else arguments + outputs + temporaries - aliased buffers."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return None
-    peak = getattr(stats, "peak_memory_in_bytes", 0)
-    if peak:
-        return int(peak)
-    return int(
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-        - stats.alias_size_in_bytes
-    )
+from autocast._src.tools import measure as _measure  # noqa: E402
 
 
 def step_figures(loss_fn: Callable[..., Any], args: Sequence[Any], repeats: int = 20) -> dict:
@@ -94,7 +80,7 @@ def step_figures(loss_fn: Callable[..., Any], args: Sequence[Any], repeats: int 
         stats = jax.devices()[0].memory_stats() or {}
         figures[name] = {
             "step_ms": 1e3 * min(times),
-            "planned_peak_bytes": _peak_bytes(compiled),
+            "planned_peak_bytes": _measure.planned_peak_bytes(compiled),
             "device_peak_bytes": stats.get("peak_bytes_in_use"),
         }
     return figures

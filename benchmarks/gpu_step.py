@@ -142,27 +142,18 @@ def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
     return step, (variables, optimizer.init(variables["params"])), 3.0 * float(cost["flops"])
 
 
-def _planned_peak(compiled: Any) -> int | None:
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return None
-    peak = getattr(stats, "peak_memory_in_bytes", 0)
-    if peak:
-        return int(peak)
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-               - stats.alias_size_in_bytes)
-
-
 def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:
     import jax
     import jax.numpy as jnp
+
+    from autocast._src.tools import measure
 
     if config["kind"] == "gpt":
         step, (params, opt_state), flops = _gpt_step(config, variant, attention)
     else:
         step, (params, opt_state), flops = _resnet_step(config, variant)
     compiled = step.lower(params, opt_state, jnp.asarray(0)).compile()
-    planned = _planned_peak(compiled)
+    planned = measure.planned_peak_bytes(compiled)
     for i in range(2):  # warm-up
         params, opt_state, value = step(params, opt_state, jnp.asarray(i))
     jax.block_until_ready(value)

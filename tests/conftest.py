@@ -67,6 +67,18 @@ def program_text(fn: Callable[..., Any], *args: Any) -> str:
 DETERMINISTIC = jax.default_backend() == "cpu"
 
 
+def bind_closed_call(closed: Any, x: Any) -> Any:
+    """``closed`` evaluated on ``x`` through JAX's call primitive (``closed_call``, named
+    ``eval_jaxpr`` after JAX 0.11.0), as a library that stages calls would bind it."""
+    from jax.extend.core import primitives
+
+    prim = primitives.closed_call_p
+    bind_params = prim.get_bind_params({"call_jaxpr": closed})
+    if isinstance(bind_params, tuple):  # JAX 0.6
+        return prim.bind(*bind_params[0], x, **bind_params[1])[0]
+    return prim.bind(x, **bind_params)[0]
+
+
 def jaxpr_of(fn: Callable[..., Any], *args: Any) -> Any:
     return jax.make_jaxpr(fn)(*args)
 

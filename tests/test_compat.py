@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from autocast import _compat
-from conftest import eqns_named
+from conftest import bind_closed_call, eqns_named
 
 
 def _scan_eqn(n_consts: int, n_carry: int, n_xs: int):
@@ -94,16 +94,10 @@ def test_closed_and_open_jaxprs():
 
 
 def test_calls_are_read_whatever_the_primitive_is_called():
-    from jax.extend.core import primitives
-
     closed = jax.make_jaxpr(lambda x: [jnp.sin(x)])(jnp.ones(2))
 
     def fn(x):
-        prim = primitives.closed_call_p
-        bind_params = prim.get_bind_params({"call_jaxpr": closed})
-        if isinstance(bind_params, tuple):  # JAX 0.6
-            return prim.bind(*bind_params[0], x, **bind_params[1])[0]
-        return prim.bind(x, **bind_params)[0]
+        return bind_closed_call(closed, x)
 
     (eqn,) = jax.make_jaxpr(fn)(jnp.ones(2)).eqns
     jaxpr, consts = _compat.called_jaxpr(eqn)

@@ -19,7 +19,7 @@ import autocast
 from autocast import _compat
 from autocast._src.demo import models as _models
 from autocast._src.tools import measure as _measure
-from conftest import eqns_named, jaxpr_of, operand_dtypes
+from conftest import bind_closed_call, eqns_named, jaxpr_of, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 W = jnp.linspace(-0.5, 0.5, 16, dtype=F32).reshape(4, 4)
@@ -237,16 +237,10 @@ def test_custom_jvp_nn_functions_keep_16_bit_inputs():
 # --- calls ---------------------------------------------------------------------------------------
 
 def test_closed_call_is_evaluated_under_the_policy():
-    from jax.extend.core import primitives
-
     closed = jax.make_jaxpr(lambda x: [jnp.tanh(x @ W)])(X)
 
     def fn(x):
-        prim = primitives.closed_call_p
-        bind_params = prim.get_bind_params({"call_jaxpr": closed})
-        if isinstance(bind_params, tuple):  # JAX 0.6
-            return prim.bind(*bind_params[0], x, **bind_params[1])[0]
-        return prim.bind(x, **bind_params)[0]
+        return bind_closed_call(closed, x)
 
     assert set(operand_dtypes(jaxpr_of(bf16_amp(fn), X), "dot_general")) == {("bfloat16", "bfloat16")}
     np.testing.assert_allclose(bf16_amp(fn)(X), fn(X), rtol=3e-2, atol=3e-2)

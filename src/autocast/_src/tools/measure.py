@@ -192,3 +192,19 @@ def relative_error(got: Any, want: Any) -> float:
     num = sum(float(jnp.sum((jnp.asarray(g, jnp.float32) - w) ** 2)) for g, w in zip(got, want))
     den = sum(float(jnp.sum(jnp.asarray(w, jnp.float32) ** 2)) for w in want)
     return (num / den) ** 0.5
+
+
+def planned_peak_bytes(compiled: Any) -> int | None:
+    """The compiled program's peak memory as XLA plans it: its own figure where the JAX
+    version reports one, else arguments + outputs + temporaries - aliased buffers; None where
+    the backend plans none."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    if peak:
+        return int(peak)
+    return int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
