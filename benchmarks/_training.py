@@ -32,3 +32,28 @@ def final_loss(
         params, opt_state, value = step(params, opt_state, jnp.asarray(i))
         losses.append(value)
     return float(jnp.mean(jnp.stack(losses[-last:])))
+
+
+def final_loss_delayed(
+    loss: Any,
+    params: Any,
+    batches: Callable[[jax.Array], tuple],
+    steps: int,
+    last: int,
+) -> float:
+    """:func:`final_loss` for a function of :func:`autocast.amp_fp8_delayed`: its history
+    made by ``init`` on the first batch, then replaced each step by its gradient."""
+    optimizer = optax.adam(1e-3)
+
+    @jax.jit
+    def step(history: Any, params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, Any, jax.Array]:
+        value, (history, grads) = jax.value_and_grad(loss, argnums=(0, 1))(history, params, *batches(i))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return history, optax.apply_updates(params, updates), opt_state, value
+
+    history = loss.init(params, *batches(jnp.asarray(0)))
+    opt_state, losses = optimizer.init(params), []
+    for i in range(steps):
+        history, params, opt_state, value = step(history, params, opt_state, jnp.asarray(i))
+        losses.append(value)
+    return float(jnp.mean(jnp.stack(losses[-last:])))

@@ -1,8 +1,10 @@
 """Float8 compute: ``amp(compute_dtype="fp8")`` against amp with bfloat16.
 
 For each model, amp bfloat16, amp float8 (e4m3 forward operands, e5m2 output gradients,
-per-tensor current scaling; attention's batched products in bfloat16) and, to show what that
-choice saves, amp float8 with the batched products in float8 too ("fp8 all"). Columns:
+per-tensor current scaling; attention's batched products in bfloat16), to show what that
+choice saves amp float8 with the batched products in float8 too ("fp8 all"), and
+``autocast.amp_fp8_delayed`` ("fp8 delay", history 16: scales from past steps' amax; products
+inside loops keep current scaling). Columns:
 
 - ``8b fwd``, ``8b bwd``: share of matmul/conv FLOPs whose operands are all 8-bit, in the
   forward pass and in the backward pass (read off the jaxpr of ``jax.value_and_grad``);
@@ -13,6 +15,8 @@ choice saves, amp float8 with the batched products in float8 too ("fp8 all"). Co
 - ``bytes/bf16``: bytes the compiled gradient step reads and writes (XLA's cost analysis),
   over amp bfloat16's: the CPU-side proxy for what quantisation costs a GPU in memory traffic;
 - ``q passes``: tensors quantised to float8 in the gradient step, each a pass over it;
+- ``serial``: those of them that wait for an amax of their own tensor (current scaling: a
+  reduction, then the rounding pass; delayed scaling's wait for a history only);
 - ``trained``, ``vs bf16``: for the demo's GPT, the mean loss of the last 10 of 150 Adam
   steps (learning rate 1e-3) on fresh generated token windows, and its deviation from amp
   bfloat16's.
@@ -44,6 +48,7 @@ import mixed_precision  # noqa: E402
 import model_families  # noqa: E402
 
 TRAIN_STEPS = 150
+HISTORY = 16
 # The default recipe with attention's batched products in float8 as well.
 ALL_PRODUCTS = dataclasses.replace(fp8.DEFAULT_RECIPE, batched_products=True)
 
@@ -80,29 +85,49 @@ def main() -> dict[str, dict]:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     print(
         f"{'model':15} {'variant':9} {'8b fwd':>7} {'8b bwd':>7} {'e5m2 bwd':>8} {'grad err':>8} "
-        f"{'act/bf16':>8} {'bytes/bf16':>10} {'q passes':>8} {'trained':>8} {'vs bf16':>7}"
+        f"{'act/bf16':>8} {'bytes/bf16':>10} {'q passes':>8} {'serial':>6} {'trained':>8} {'vs bf16':>7}"
     )
     results: dict[str, dict] = {}
     for name, loss_fn, args in _models_to_measure():
         _, ref_grad = jax.jit(jax.value_and_grad(loss_fn))(*args)
+        delayed = autocast.amp_fp8_delayed(loss_fn, history=HISTORY)
+        history = delayed.init(*args)
         variants = {
             "amp bf16": autocast.amp(loss_fn, compute_dtype=jnp.bfloat16),
             "amp fp8": autocast.amp(loss_fn, compute_dtype="fp8"),
             "fp8 all": autocast.amp(loss_fn, compute_dtype=ALL_PRODUCTS),
+            # the first step after init: the same scales as current scaling's (shares and
+            # activation memory read off this closure; the rest take the history as an argument)
+            "fp8 delay": lambda *a, _h=history: delayed(_h, *a),
         }
         rows = results[name] = {}
         for variant, fn in variants.items():
             step = jax.value_and_grad(fn)
-            _, grad = jax.jit(step)(*args)
+            if variant == "fp8 delay":  # the history an argument, as in a train step
+                _, grad = jax.jit(jax.value_and_grad(delayed, argnums=1))(history, *args)
+            else:
+                _, grad = jax.jit(step)(*args)
+            # the whole step: delayed scaling's also makes the next history
+            whole, whole_args = (
+                (jax.value_and_grad(delayed, argnums=(0, 1)), (history, *args))
+                if variant == "fp8 delay" else (step, args)
+            )
+            step_jaxpr = jax.make_jaxpr(whole)(*whole_args)
             rows[variant] = {
                 **shares(fn, args),
                 "grad_err": _measure.relative_error(grad, ref_grad),
                 "act": _measure.residual_bytes(fn, *args, include_inputs=False),
-                "bytes": _measure.bytes_accessed(step, *args),
-                "q_passes": _measure.float8_casts(jax.make_jaxpr(step)(*args)),
+                "bytes": _measure.bytes_accessed(whole, *whole_args),
+                "q_passes": _measure.float8_casts(step_jaxpr),
+                "serial": _measure.serial_quantisations(step_jaxpr),
             }
-            if name == "GPT small" and variant != "fp8 all":
+            if name == "GPT small" and variant in ("amp bf16", "amp fp8"):
                 rows[variant]["trained"] = _training.final_loss(fn, args[0], _gpt_tokens, TRAIN_STEPS, last=10)
+        if name == "GPT small":
+            gpt_delayed = autocast.amp_fp8_delayed(loss_fn, history=HISTORY)
+            rows["fp8 delay"]["trained"] = _training.final_loss_delayed(
+                gpt_delayed, args[0], _gpt_tokens, TRAIN_STEPS, last=10
+            )
         for variant, r in rows.items():
             trained = (
                 f"{r['trained']:8.4f} {r['trained'] / rows['amp bf16']['trained'] - 1:+7.2%}"
@@ -111,7 +136,7 @@ def main() -> dict[str, dict]:
             print(
                 f"{name:15} {variant:9} {r['fp8_fwd']:7.1%} {r['fp8_bwd']:7.1%} {r['e5m2_bwd']:8.1%} "
                 f"{r['grad_err']:8.4f} {r['act'] / rows['amp bf16']['act']:8.2f} "
-                f"{r['bytes'] / rows['amp bf16']['bytes']:10.2f} {r['q_passes']:8d} {trained}"
+                f"{r['bytes'] / rows['amp bf16']['bytes']:10.2f} {r['q_passes']:8d} {r['serial']:6d} {trained}"
             )
     return results
 

@@ -8,7 +8,9 @@ attention written out ("naive") or fused (cuDNN's kernel through
 BatchNorm on 224x224 images at batch 128, with SGD and momentum.
 
 Variants: ``float32`` (TF32 matmuls on a GPU, XLA's default), ``hand bf16`` (GPTs) or
-``flax bf16`` (ResNet-18, Flax's ``dtype=bfloat16``), ``amp bf16``, ``amp fp8``; with
+``flax bf16`` (ResNet-18, Flax's ``dtype=bfloat16``), ``amp bf16``, ``amp fp8``, and for the
+GPTs ``amp fp8 delay`` (``autocast.amp_fp8_delayed``, history 16, its histories carried in the
+step's state); with
 ``--torch``, PyTorch's ``autocast`` eager and under ``torch.compile``, naive attention and
 ``scaled_dot_product_attention`` (GPTs, when PyTorch and a CUDA device are there).
 
@@ -53,7 +55,7 @@ TINY: dict[str, dict[str, Any]] = {
     "decoder 24x2048": dict(kind="gpt", layers=2, d=128, heads=4, seq=32, batch=1, vocab=128),
     "ResNet-18": dict(kind="resnet", batch=2, size=32, classes=10, width=8),
 }
-GPT_VARIANTS = ("float32", "hand bf16", "amp bf16", "amp fp8")
+GPT_VARIANTS = ("float32", "hand bf16", "amp bf16", "amp fp8", "amp fp8 delay")
 RESNET_VARIANTS = ("float32", "flax bf16", "amp bf16", "amp fp8")
 TORCH_VARIANTS = ("torch eager", "torch compile")
 ATTENTIONS = ("naive", "fused")
@@ -92,10 +94,16 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
         kind = "cudnn" if jax.default_backend() == "gpu" and variant != "float32" else "xla"
     hand = jnp.bfloat16 if variant == "hand bf16" else None
     loss = functools.partial(gpu_models.gpt2_loss, heads=config["heads"], attention=kind, hand=hand)
-    if variant.startswith("amp"):
-        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
     params = gpu_models.init_gpt2(jax.random.key(0), **config)
     optimizer = optax.adamw(3e-4, weight_decay=0.1)
+    tokens = config["batch"] * config["seq"]
+    n = gpu_models.gpt2_params_count(params)
+    flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
+    if variant == "amp fp8 delay":
+        step, state = _delayed_gpt_step(loss, params, optimizer, config)
+        return step, state, float(flops)
+    if variant.startswith("amp"):
+        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
@@ -103,10 +111,31 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    tokens = config["batch"] * config["seq"]
-    n = gpu_models.gpt2_params_count(params)
-    flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
     return step, (params, optimizer.init(params)), float(flops)
+
+
+def _delayed_gpt_step(loss: Callable, params: Any, optimizer: Any, config: dict) -> tuple[Callable, Any]:
+    """:func:`_gpt_step`'s step under ``autocast.amp_fp8_delayed``: its state is
+    ``(history, params)``, the history replaced each step by its gradient."""
+    import gpu_models
+    import jax
+    import optax
+
+    import autocast
+
+    loss8 = autocast.amp_fp8_delayed(loss, history=16)
+    history = jax.jit(loss8.init)(params, gpu_models.gpt2_batch(jax.numpy.asarray(0), **config))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(state: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
+        history, params = state
+        value, (history, grads) = jax.value_and_grad(loss8, argnums=(0, 1))(
+            history, params, gpu_models.gpt2_batch(i, **config)
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (history, optax.apply_updates(params, updates)), opt_state, value
+
+    return step, ((history, params), optimizer.init(params))
 
 
 def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:

@@ -3,6 +3,8 @@ float32 accumulation, bfloat16 for the rest; read off jaxprs and checked against
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -334,3 +336,19 @@ def test_gradients_keep_the_operands_explicit_sharding():
         assert jax.typeof(gx).sharding.spec == jax.typeof(x).sharding.spec
     want = jax.grad(lambda w, x: jnp.sum(jnp.sin(x @ w)), (0, 1))(w, jnp.ones((4, 4)))
     assert _measure.relative_error((gw, gx), want) < 0.1
+
+
+@pytest.mark.slow
+def test_batched_products_in_bfloat16_cost_fewer_bytes_and_quantisations():
+    # by XLA's cost analysis of the compiled gradient step, the CPU-side proxy for a GPU's
+    # memory traffic: attention's products in float8 add a quantisation pass per operand
+    params, tokens = _demo_gpt()
+    every = dataclasses.replace(fp8.DEFAULT_RECIPE, batched_products=True)
+    steps = {
+        name: jax.value_and_grad(autocast.amp(_models.gpt_loss, compute_dtype=dtype))
+        for name, dtype in (("default", "fp8"), ("every", every))
+    }
+    bytes_ = {n: _measure.bytes_accessed(s, params, tokens) for n, s in steps.items()}
+    passes = {n: _measure.float8_casts(jax.make_jaxpr(s)(params, tokens)) for n, s in steps.items()}
+    assert bytes_["default"] < 0.97 * bytes_["every"]
+    assert passes["default"] < passes["every"]

@@ -11,6 +11,7 @@ and the line, where mixed precision lost accuracy or overflowed. Loss scaling fo
 """
 
 from autocast._src.fp8 import use_fp8_precision
+from autocast._src.fp8_history import DelayedFp8, Fp8History, amp_fp8_delayed
 from autocast._src.policy.dtypes import (
     Policy,
     cast_to_full,
@@ -61,10 +62,12 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "DEFAULT_PRECISION_TABLE",
+    "DelayedFp8",
     "Diagnosis",
     "DynamicLossScale",
     "DynamicScalerState",
     "Entry",
+    "Fp8History",
     "LossScale",
     "LossScaleUpdate",
     "NoOpLossScale",
@@ -74,6 +77,7 @@ __all__ = [
     "StaticLossScale",
     "all_finite",
     "amp",
+    "amp_fp8_delayed",
     "amp_stop",
     "cast_to_full",
     "cast_to_half",

@@ -62,12 +62,15 @@ _SAME_OPERAND_DTYPES = frozenset({"conv_general_dilated"})
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """The float8 formats of one recipe: forward operands, and backward output gradients;
-    and whether batched products (attention's) run in float8 too, which by default they do
-    not (see :func:`_pays_in_float8`). ``amp`` takes a recipe as its ``compute_dtype``."""
+    whether batched products (attention's) run in float8 too, which by default they do
+    not (see :func:`_pays_in_float8`); and the scaling: ``history`` 0 is per-tensor current
+    scaling, a positive ``history`` is delayed scaling from that many past steps' amax
+    (:mod:`autocast._src.fp8_history`). ``amp`` takes a recipe as its ``compute_dtype``."""
 
     forward: np.dtype
     gradient: np.dtype
     batched_products: bool = False
+    history: int = 0
 
 
 # One recipe per forward format.
@@ -83,8 +86,10 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
     Anything that is no floating dtype at all is refused as ``amp`` refuses it.
     """
     if isinstance(compute_dtype, Recipe):
-        if compute_dtype not in _RULES:
+        if GRADIENT_FORMAT.get(compute_dtype.forward) != compute_dtype.gradient:
             raise ValueError(f"{compute_dtype} pairs formats no recipe pairs; accepted: {ACCEPTED}")
+        if isinstance(compute_dtype.history, bool) or not isinstance(compute_dtype.history, int) or compute_dtype.history < 0:
+            raise ValueError(f"{compute_dtype}: history must be an int >= 0 (0: current scaling)")
         return compute_dtype
     if isinstance(compute_dtype, str) and compute_dtype.strip().lower() in _NAMES:
         return DEFAULT_RECIPE
@@ -128,6 +133,22 @@ def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
     top = float(jnp.finfo(fmt).max)
     s = _scale(x, top)
     return jnp.clip(x.astype(_F32) / s, -top, top).astype(fmt), s
+
+
+def quantise_with(x: Any, fmt: Any, scale: Any) -> Any:
+    """``x / scale`` in the float8 format ``fmt``, finite values saturating at the format's
+    largest. An infinity of ``x`` stays one (NaN in a format without infinities), so an
+    overflow upstream reaches the loss scaler's check instead of being clipped into range;
+    a finite value never becomes one, however small ``scale`` is."""
+    fmt = np.dtype(fmt)
+    top = float(jnp.finfo(fmt).max)
+    x32 = x.astype(_F32)
+    return jnp.where(jnp.isinf(x32), x32, jnp.clip(x32 / scale, -top, top)).astype(fmt)
+
+
+def amax(x: Any) -> Any:
+    """The largest magnitude in ``x`` as a float32 scalar (0 for an empty tensor)."""
+    return jnp.max(jnp.abs(x), initial=0).astype(_F32)
 
 
 def _widened(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,6 +259,67 @@ def _product(
 _cached_product = functools.lru_cache(maxsize=1024)(_product)
 
 
+def _from_history(history: Any, fmt: Any) -> Any:
+    """The delayed scale for ``fmt`` from an amax history: its largest entry over the
+    format's largest value (float32's smallest normal for an all-zero history)."""
+    return jnp.maximum(jnp.max(history) / float(jnp.finfo(np.dtype(fmt)).max), _TINY)
+
+
+def _pushed(history: Any, value: Any, measuring: bool) -> Any:
+    """``history`` with ``value`` as its newest entry, the oldest dropped; unchanged when
+    ``value`` is not finite (that step is skipped, and the next must not be scaled by an
+    inf). Measuring fills the whole history with ``value``."""
+    if measuring:
+        new = jnp.broadcast_to(value, history.shape)
+    else:
+        new = jnp.concatenate([value[None], history[:-1]])
+    return jnp.where(jnp.isfinite(value), new, history)
+
+
+def _delayed_product(
+    prim: Any, frozen: tuple, recipe: Recipe, dtypes: tuple[Any, Any], out_dtype: Any, measuring: bool
+) -> Callable[[Any, Any, Any], Any]:
+    """The float8 product with *delayed* scaling: each operand, and the output gradient, is
+    quantised with the scale its amax history gives (rows 0, 1 and 2 of ``history``, shape
+    ``(3, n)``), so a quantisation no longer waits for a reduction over its own tensor and can
+    fuse into the kernel that produces it. This step's amaxes are still taken (a reduction
+    beside the quantisation, not before it) and come back as the *gradient* with respect to
+    ``history``: the next history, Flax's "overwrite with gradient" convention. Measuring
+    (``measuring=True``, for a first history) scales from this step's amax instead."""
+    params = _widened(dict(frozen))
+    wide = _frozen(params)
+
+    def scale(x: Any, row: Any, fmt: Any) -> Any:
+        return _scale(x, float(jnp.finfo(fmt).max)) if measuring else _from_history(row, fmt)
+
+    def forward(a: Any, b: Any, history: Any) -> tuple[Any, Any]:
+        sa, sb = scale(a, history[0], recipe.forward), scale(b, history[1], recipe.forward)
+        qa, qb = quantise_with(a, recipe.forward, sa), quantise_with(b, recipe.forward, sb)
+        out = prim.bind(qa, qb, **params) * sa * sb
+        return out.astype(out_dtype), (qa, sa, qb, sb, history, amax(a), amax(b))
+
+    def backward(residuals: tuple, g: Any) -> tuple[Any, Any, Any]:
+        *kept, amax_a, amax_b = residuals  # the amaxes only feed the next history
+        (qa, sa, qb, sb, history), g = _first_derivative_only((tuple(kept), g))
+        sg = scale(g, history[2], recipe.gradient)
+        qg = quantise_with(g, recipe.gradient, sg)
+        a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
+        to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
+        to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
+        da = _evaluate(to_a, [qg, qb], recipe.gradient) * sg * sb
+        db = _evaluate(to_b, [qa, qg], recipe.gradient) * sa * sg
+        rows = (amax_a, amax_b, amax(g))
+        new = jnp.stack([_pushed(history[i], v, measuring) for i, v in enumerate(rows)])
+        return da.astype(dtypes[0]), db.astype(dtypes[1]), new
+
+    product = jax.custom_vjp(lambda a, b, history: forward(a, b, history)[0])
+    product.defvjp(forward, backward)
+    return product
+
+
+_cached_delayed_product = functools.lru_cache(maxsize=1024)(_delayed_product)
+
+
 def _scaled(x: Any) -> bool:
     """A value the recipe quantises: floating, wider than 8 bits, not float64."""
     return castable(x, x.dtype) and np.dtype(x.dtype).itemsize > 1
@@ -262,8 +344,8 @@ def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
     return p.get("feature_group_count", 1) == 1 and p.get("batch_group_count", 1) == 1
 
 
-def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict], Any]:
-    def bind(eqn: Any, invars: Sequence[Any], params: dict) -> Any:
+def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict, Any], Any]:
+    def bind(eqn: Any, invars: Sequence[Any], params: dict, ctx: Any) -> Any:
         if (
             eqn.primitive.name not in PRODUCTS
             or not _pays_in_float8(eqn, recipe)
@@ -275,7 +357,15 @@ def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict], Any]:
         if out_dtype is None:  # a convolution's default: its operands' dtype
             out_dtype = jnp.result_type(a, b)
         key = (eqn.primitive, _frozen(params), recipe, (a.dtype, b.dtype), np.dtype(out_dtype))
-        return _memo(_cached_product, _product, *key)(a, b)
+        # Delayed scaling where the caller threads histories and this product is in the
+        # program itself (not inside a loop, a branch or a re-traced call, see
+        # autocast._src.fp8_history); current scaling elsewhere.
+        slots = ctx.fp8_history if recipe.history else None
+        history = None if slots is None else slots.take((3, recipe.history))
+        if history is None:
+            return _memo(_cached_product, _product, *key)(a, b)
+        delayed = _memo(_cached_delayed_product, _delayed_product, *key, slots.measuring)
+        return delayed(a, b, history)
 
     return bind
 
@@ -334,23 +424,30 @@ def _another_rule(recipe: Recipe) -> PrecisionFn:
         return use_fp8_precision(*args, **kwargs)
 
     batched = ", batched products" if recipe.batched_products else ""
-    rule.__name__ = rule.__qualname__ = f"use_fp8_precision({recipe.forward.name}{batched})"
+    delayed = f", history {recipe.history}" if recipe.history else ""
+    rule.__name__ = rule.__qualname__ = f"use_fp8_precision({recipe.forward.name}{batched}{delayed})"
     return rule
 
 
-# The precision function of each recipe, each with its binding.
-_RULES: dict[Recipe, PrecisionFn] = {
-    r: use_fp8_precision if r == DEFAULT_RECIPE else _another_rule(r)
-    for r in (dataclasses.replace(r, batched_products=b) for r in RECIPES.values() for b in (False, True))
-}
-CUSTOM_BINDINGS.update({rule: _binding(recipe) for recipe, rule in _RULES.items()})
+# The precision function of each recipe, each with its binding; made on first use.
+_RULES: dict[Recipe, PrecisionFn] = {DEFAULT_RECIPE: use_fp8_precision}
+CUSTOM_BINDINGS[use_fp8_precision] = _binding(DEFAULT_RECIPE)
+
+
+def rule_of(recipe: Recipe) -> PrecisionFn:
+    """The precision function that runs ``recipe``'s products (registered with its binding)."""
+    rule = _RULES.get(recipe)
+    if rule is None:
+        rule = _RULES[recipe] = _another_rule(recipe)
+        CUSTOM_BINDINGS[rule] = _binding(recipe)
+    return rule
 
 
 def with_fp8_products(policy: Mapping[PolicyKey, PrecisionFn], recipe: Recipe) -> dict[PolicyKey, PrecisionFn]:
     """``policy`` with each matrix-product primitive it runs in the compute dtype run by
     ``recipe`` instead. Rows that say something else (a user's float32 ``dot_general``) and
     named scopes are kept as they are."""
-    fp8_rule = _RULES[recipe]
+    fp8_rule = rule_of(recipe)
     changed = dict(policy)
     for name in PRODUCTS:
         prim = _compat.primitive_by_name(name)

@@ -118,6 +118,52 @@ def float8_casts(jaxpr: Any) -> int:
     )
 
 
+def _levels(jaxpr: Any) -> Iterator[Any]:
+    """``jaxpr`` (open) and each of its sub-jaxprs, each once."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for sub in _compat.sub_jaxprs(eqn):
+            yield from _levels(sub)
+
+
+def serial_quantisations(jaxpr: Any) -> int:
+    """Quantisations to float8 that wait for an amax of a tensor of their own shape, taken in
+    the same program: current scaling's two passes, a reduction and then the rounding, which
+    cannot fuse into the kernel that produced the tensor. Delayed scaling's quantisations wait
+    only for a history and count 0. The search follows each quantisation's inputs back within
+    its jaxpr, stopping at matrix products, for a ``reduce_max`` of an ``abs`` of that shape
+    (a softmax's plain maximum is no amax; a call or loop is not looked into)."""
+    count = 0
+    for level in _levels(jaxpr):
+        producer = {v: eqn for eqn in level.eqns for v in eqn.outvars}
+        absolute = {eqn.outvars[0] for eqn in level.eqns if eqn.primitive.name == "abs"}
+        for eqn in level.eqns:
+            if not (
+                eqn.primitive.name == "convert_element_type"
+                and eqn.outvars[0].aval.dtype.itemsize == 1
+                and is_floating_dtype(eqn.outvars[0].aval.dtype)
+            ):
+                continue
+            shape, seen = tuple(eqn.outvars[0].aval.shape), set()
+            stack = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+            while stack:
+                v = stack.pop()
+                src = producer.get(v)
+                if src is None or id(src) in seen or src.primitive.name in MATMUL_NAMES:
+                    continue
+                seen.add(id(src))
+                if (
+                    src.primitive.name == "reduce_max"
+                    and src.invars[0] in absolute
+                    and tuple(src.invars[0].aval.shape) == shape
+                ):
+                    count += 1
+                    break
+                stack.extend(x for x in src.invars if not isinstance(x, _compat.Literal))
+    return count
+
+
 def count_casts(jaxpr: Any) -> int:
     """Number of casts from one floating dtype to another, sub-jaxprs included."""
     return len(float_casts(jaxpr))

@@ -10,6 +10,7 @@ would silently skip everything inside it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -21,6 +22,7 @@ from autocast import _compat
 from autocast._src.policy.casting import cast_value, castable
 from autocast._src.transform import interpreter
 from autocast._src.transform.closures import instantiate, traced_call
+from autocast._src.transform.histories import Slots
 from autocast._src.transform.interpreter import SPREAD, STRONG, Context, eval_jaxpr
 from autocast._src.transform.retrace import (
     TRACES,
@@ -85,7 +87,7 @@ def _inline_call(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> 
     """``closed_call`` / ``core_call`` (``eval_jaxpr`` after JAX 0.11.0): a call with no parameters worth keeping, evaluated in
     place (its equations keep the call's name stack)."""
     jaxpr, consts = _compat.called_jaxpr(eqn)
-    return eval_jaxpr(jaxpr, consts, invals, ctx.enter(eqn), kinds)
+    return eval_jaxpr(jaxpr, consts, invals, ctx.enter(eqn, in_place=True), kinds)
 
 
 def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
@@ -100,11 +102,21 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
         cast_value(x, ctx.compute_dtype) if k == SPREAD and castable(x, v.aval.dtype) else x
         for x, k, v in zip(invals, kinds, eqn.invars)
     ]
-    traced = retrace(
-        jaxpr, (), [spec_of(x) for x in invals], kinds, ctx.enter(eqn), literals=literals_of(invals)
-    )
+    inner = ctx.enter(eqn)
+    plan = dict(specs=[spec_of(x) for x in invals], kinds=kinds, literals=literals_of(invals))
+    rows: list = []
+    counted = None
+    if ctx.fp8_history is not None:
+        # a checkpointed layer's float8 products take their histories as inputs of the checkpoint
+        counted = _counted_histories(
+            ctx, lambda slots: retrace(jaxpr, (), ctx=dataclasses.replace(inner, fp8_history=slots), **plan)
+        )
+        rows = [] if counted is None else [ctx.fp8_history.take(shape) for shape in counted.shapes]
+        if any(x is None for x in rows):
+            counted, rows = None, []
+    traced = retrace(jaxpr, (), ctx=inner, histories=counted, **plan)
     open_jaxpr, consts = _compat.open_jaxpr(traced)
-    return _compat.bind_equation(eqn, [*consts, *invals], {**eqn.params, "jaxpr": open_jaxpr})
+    return _compat.bind_equation(eqn, [*consts, *invals, *rows], {**eqn.params, "jaxpr": open_jaxpr})
 
 
 # --- control flow -----------------------------------------------------------------------------
@@ -158,6 +170,21 @@ def _loop(
     then per-iteration inputs whose specs ``spec(position, value)`` gives. Returns the body
     and the inputs with each carry cast to its loop dtype. Inside, carries are STRONG: every
     iteration recomputes them."""
+    invals, plan = _loop_plan(body, invals, kinds, n_consts, n_carry, ctx, spec)
+    return retrace(body.jaxpr, body.consts, ctx=ctx, **plan), invals
+
+
+def _loop_plan(
+    body: Any,
+    invals: list,
+    kinds: Sequence[int],
+    n_consts: int,
+    n_carry: int,
+    ctx: Context,
+    spec: Callable[[int, Any], Any],
+) -> tuple[list, dict[str, Any]]:
+    """:func:`_loop`'s inputs, each carry cast to its loop dtype, and the arguments of
+    :func:`retrace` that trace the body for them."""
     specs = [spec(i, x) for i, x in enumerate(invals)]
     literals = literals_of(invals, range(n_consts))
     carry = range(n_consts, n_consts + n_carry)
@@ -169,10 +196,7 @@ def _loop(
             specs[i] = with_dtype(specs[i], d)
         kinds[i] = STRONG
     out_dtypes = [*dtypes, *[None] * (len(body.jaxpr.outvars) - n_carry)]
-    traced = retrace(
-        body.jaxpr, body.consts, specs, kinds, ctx, literals=literals, out_dtypes=out_dtypes
-    )
-    return traced, invals
+    return invals, dict(specs=specs, kinds=kinds, literals=literals, out_dtypes=out_dtypes)
 
 
 def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
@@ -187,8 +211,58 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     def spec(i: int, x: Any) -> Any:
         return spec_of(x) if i < n_consts + n_carry else spec_like(body_vars[i], x)
 
+    if ctx.fp8_history is not None:
+        outs = _scan_with_histories(eqn, invals, kinds, ctx, spec)
+        if outs is not None:
+            return outs
     traced, invals = _loop(body, invals, kinds, n_consts, n_carry, ctx.enter(eqn), spec)
     return _compat.bind_equation(eqn, invals, {**p, "jaxpr": traced})
+
+
+def _counted_histories(ctx: Context, trace: Callable[..., Any]) -> Slots | None:
+    """What a body takes of ``ctx``'s float8 histories, counted by tracing it once
+    (``trace(ctx)``) with a counting :class:`Slots`; None if it takes none."""
+    counter = ctx.fp8_history.counter()
+    trace(counter)
+    return counter if counter.taken else None
+
+
+def _scan_with_histories(
+    eqn: Any, invals: list, kinds: Sequence[int], ctx: Context, spec: Callable[[int, Any], Any]
+) -> list | None:
+    """A scan whose body has float8 products with delayed scaling: each iteration takes its
+    own histories, sliced from stacked ones like any scanned input (so every layer of a
+    scanned model keeps its own), and their gradient is stacked the same way. None when the
+    body has no such product, or while counting (the stacked shapes are then recorded)."""
+    p = eqn.params
+    body = p["jaxpr"]
+    n_consts, n_carry = _compat.scan_layout(eqn)
+    inner = ctx.enter(eqn)
+    invals, plan = _loop_plan(body, invals, kinds, n_consts, n_carry, inner, spec)
+    trace = lambda slots, **kw: retrace(  # noqa: E731
+        body.jaxpr, body.consts, ctx=dataclasses.replace(inner, fp8_history=slots), **plan, **kw
+    )
+    counted = _counted_histories(ctx, trace)
+    if counted is None:
+        return None
+    length = p["length"]
+    stacked = [ctx.fp8_history.take((length, *shape)) for shape in counted.shapes]
+    if any(x is None for x in stacked):
+        return None
+    traced = retrace(body.jaxpr, body.consts, ctx=inner, histories=counted, **plan)
+    consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
+
+    def step(carry: list, sliced: tuple) -> tuple[list, list]:
+        outs = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *consts, *carry, *sliced)
+        return outs[:n_carry], outs[n_carry:]
+
+    # lax.scan rather than the equation re-bound: the body takes inputs the equation's
+    # parameters do not describe, and how those describe the inputs changes across JAX versions
+    carry_out, ys = jax.lax.scan(
+        step, carry, (*xs, *stacked), length=length,
+        reverse=p.get("reverse", False), unroll=p.get("unroll", 1),
+    )
+    return [*carry_out, *ys]
 
 
 def _while(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:

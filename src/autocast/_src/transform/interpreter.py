@@ -121,18 +121,27 @@ class Context:
     # listen); None in normal use. It may return the outputs to carry on with in place of
     # those it was shown (the debugger marks them), or None to leave them as they are.
     observer: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
+    # The float8 amax histories a delayed-scaling caller threads through this evaluation
+    # (autocast._src.fp8_history), or None. Only equations evaluated in place take them: a
+    # loop body, a branch or a re-traced call is cached and bound as one equation, so its
+    # products cannot take a history per call (they keep current scaling).
+    fp8_history: Any = dataclasses.field(default=None, compare=False)
 
-    def enter(self, eqn: Any) -> Context:
+    def enter(self, eqn: Any, *, in_place: bool = False) -> Context:
         """The context for the sub-jaxprs of ``eqn``. Only scopes the policy names are kept:
-        they are all a decision can depend on, and re-traced sub-jaxprs are cached by them."""
+        they are all a decision can depend on, and re-traced sub-jaxprs are cached by them.
+        ``in_place``: the sub-jaxpr is evaluated here, not re-traced (an inlined call)."""
         names = _compat.scope_names(eqn)
         inner = tuple(s for s in names if s in self.scope_keys)
+        ctx = self
+        if self.fp8_history is not None and not in_place:
+            ctx = dataclasses.replace(ctx, fp8_history=None)
         if self.observer is not None:
             return dataclasses.replace(
-                self, scopes=self.scopes + inner, path=self.path + names,
+                ctx, scopes=self.scopes + inner, path=self.path + names,
                 callers=self.callers + (eqn.source_info,),
             )
-        return dataclasses.replace(self, scopes=self.scopes + inner) if inner else self
+        return dataclasses.replace(ctx, scopes=self.scopes + inner) if inner else ctx
 
     def observed(self, eqn: Any, rule: PrecisionFn, invars: Sequence[Any], outs: Any) -> Any:
         """``outs`` as the observer, if any, hands them back (it may mark them)."""
@@ -480,8 +489,9 @@ def apply_first_order(
         # A cast of a constant is folded on the host, so it costs no equation.
         return cast_value(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
-    bind = CUSTOM_BINDINGS.get(rule, _compat.bind_equation)
-    return ctx.observed(eqn, rule, invars, bind(eqn, invars, params))
+    custom = CUSTOM_BINDINGS.get(rule)
+    outs = _compat.bind_equation(eqn, invars, params) if custom is None else custom(eqn, invars, params, ctx)
+    return ctx.observed(eqn, rule, invars, outs)
 
 
 def eval_jaxpr(
@@ -604,7 +614,9 @@ def _eval_jaxpr(
                 kinds.append(kind_of[var])
         if _inlined(eqn, ctx):
             inner = eqn.params["jaxpr"]
-            outs, out_kinds = _eval_jaxpr(inner.jaxpr, inner.consts, invals, ctx.enter(eqn), kinds)
+            outs, out_kinds = _eval_jaxpr(
+                inner.jaxpr, inner.consts, invals, ctx.enter(eqn, in_place=True), kinds
+            )
             for var, value, k in zip(eqn.outvars, outs, out_kinds):
                 if not _compat.is_drop_var(var):
                     env[var], kind_of[var] = value, k

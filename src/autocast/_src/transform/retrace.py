@@ -8,6 +8,7 @@ branches that must agree), and gets back a new closed jaxpr to bind the primitiv
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -15,6 +16,7 @@ import numpy as np
 
 from autocast import _compat
 from autocast._src.policy.casting import cast_value, castable
+from autocast._src.transform.histories import Slots
 from autocast._src.transform.interpreter import Context, eval_jaxpr
 
 
@@ -84,11 +86,15 @@ def retrace(
     *,
     literals: dict[int, Any] | None = None,
     out_dtypes: Sequence[Any] | None = None,
+    histories: Slots | None = None,
 ) -> Any:
     """The open ``jaxpr`` (with ``consts``) interpreted under ``ctx`` and traced again.
 
     ``specs`` describe the inputs, ``kinds`` their kinds, ``literals`` the inputs used by
     value, and ``out_dtypes`` (None entries free) the dtypes outputs are cast to at the end.
+    ``histories``: a :class:`Slots` that counted the float8 histories the body takes; the
+    traced jaxpr then takes one more input per history, after ``specs``, and hands them to
+    the body's products (see :mod:`autocast._src.transform.histories`).
     """
     literals = literals or {}
     out_key = None if out_dtypes is None else tuple(out_dtypes)
@@ -103,14 +109,23 @@ def retrace(
         ctx.scopes,
     )
     held = (jaxpr, ctx.policy)
-    # An observer must see every equation, so nothing is served from the cache to it.
-    hit = None if ctx.observer is not None else TRACES.get(key, held)
+    # An observer must see every equation, and float8 histories are handed out per call, so
+    # nothing is served from the cache to either.
+    cached = ctx.observer is None and ctx.fp8_history is None and histories is None
+    hit = TRACES.get(key, held) if cached else None
     if hit is not None:
         return hit
+    n_rows = 0 if histories is None else histories.taken
 
     def interpret(*args: Any) -> list[Any]:
+        run_ctx = ctx
+        if n_rows:
+            args, rows = args[: len(args) - n_rows], args[len(args) - n_rows:]
+            run_ctx = dataclasses.replace(ctx, fp8_history=Slots(rows, histories.measuring))
         args = [literals.get(i, a) for i, a in enumerate(args)]
-        outs = eval_jaxpr(jaxpr, consts, args, ctx, kinds)
+        outs = eval_jaxpr(jaxpr, consts, args, run_ctx, kinds)
+        if n_rows:
+            run_ctx.fp8_history.check_all_taken()
         if out_key is not None:
             outs = [
                 x if d is None or not castable(x, d) else cast_value(x, d)
@@ -118,8 +133,9 @@ def retrace(
             ]
         return outs
 
-    traced = jax.make_jaxpr(interpret)(*specs)
-    if ctx.observer is None:
+    row_specs = [] if histories is None else [jax.ShapeDtypeStruct(s, np.float32) for s in histories.shapes]
+    traced = jax.make_jaxpr(interpret)(*specs, *row_specs)
+    if cached:
         TRACES.put(key, held, traced)
     return traced
 

@@ -1,0 +1,184 @@
+"""Delayed float8 scaling: amax histories threaded through the train step.
+
+Current scaling (``amp(fn, compute_dtype="fp8")``) quantises each operand with a scale taken
+from that very tensor: a reduction over the tensor, then a second pass that divides and rounds
+it, which cannot start before the reduction ends. Delayed scaling, Transformer Engine's
+default, takes the scale from the largest amax of the last ``history`` steps instead, so the
+quantisation needs nothing but the tensor and can fuse into the kernel that produces it. This
+step's amax is still taken, beside the quantisation rather than before it, and joins the
+history.
+
+The histories are state, so they are an argument: :func:`amp_fp8_delayed` gives ``fn`` a first
+argument more, an :class:`Fp8History`, and the gradient with respect to it *is* the next
+history (Flax's "overwrite with gradient" convention for float8 metadata). Products take
+histories where ``amp`` can thread them: the function's own equations, plain ``jax.jit`` calls
+it inlines, checkpoints (the histories become inputs of the checkpoint) and ``scan`` bodies
+(one history per iteration, stacked on a leading axis like any scanned input, so each layer of
+a scanned model has its own). A ``while_loop`` has no iteration count to stack by, a branch
+of ``cond`` would leave the untaken branch's histories without a gradient, and custom
+derivative rules and other calls are traced once for every call: products there keep current
+scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autocast._src import fp8
+from autocast._src.transform import amp as _amp
+from autocast._src.transform.histories import Slots
+
+
+class Fp8History(NamedTuple):
+    """The amax histories of the float8 products that :func:`amp_fp8_delayed` scales.
+
+    ``amax`` holds one float32 array of shape ``(3, history)`` per product, in the order the
+    program runs them: rows for the left operand, the right operand and the output gradient,
+    newest first; a product in a ``scan`` body has one per iteration, ``(length, 3,
+    history)``. Make one with ``init``; the gradient of the wrapped function with respect
+    to it is the next one.
+
+    Example:
+        >>> import autocast, jax.numpy as jnp
+        >>> f = autocast.amp_fp8_delayed(lambda w, x: (x @ w).sum(), history=4)
+        >>> h = f.init(jnp.ones((8, 8)), jnp.full((2, 8), 3.0))
+        >>> len(h.amax), h.amax[0].shape, h.amax[0][:, 0].tolist()
+        (1, (3, 4), [3.0, 1.0, 1.0])
+    """
+
+    amax: tuple[jax.Array, ...]
+
+
+def _cotangent(x: Any) -> Any:
+    """Ones for a floating output, float0 zeros for any other (``jax.vjp``'s convention)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.ones_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+class DelayedFp8:
+    """What :func:`amp_fp8_delayed` returns: ``fn`` under amp's float8 recipe with delayed
+    scaling, taking an :class:`Fp8History` first; ``init`` makes the first history and
+    ``history`` is its length.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> f = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(jnp.tanh(x @ w)), history=8)
+        >>> w, x = jnp.eye(4), jnp.ones((2, 4))
+        >>> h = f.init(w, x)
+        >>> value, (h, g) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w, x)
+        >>> isinstance(f, autocast.DelayedFp8), f.history, h.amax[0].shape
+        (True, 8, (3, 8))
+    """
+
+    def __init__(self, fn: Callable[..., Any], history: int, amp_policy: Any) -> None:
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"amp_fp8_delayed: history must be an int >= 1, got {history!r}")
+        self.history = history
+        recipe = dataclasses.replace(fp8.DEFAULT_RECIPE, history=history)
+        self._amp = _amp._Amp(fn, recipe, amp_policy)
+        functools.update_wrapper(self, fn, updated=())
+
+    def _evaluate(self, traced: Any, rows: Sequence[Any] | None, measuring: bool, dyn: Sequence[Any]) -> tuple[list, Slots]:
+        slots = Slots(rows, measuring)
+        ctx = dataclasses.replace(self._amp._context(), fp8_history=slots)
+        outs = traced.evaluate(ctx)(*dyn)
+        slots.check_all_taken()
+        return outs, slots
+
+    def __call__(self, state: Fp8History, *args: Any, **kwargs: Any) -> Any:
+        if _amp._outer_amp_tracing():
+            return self._amp._fn(*args, **kwargs)
+        if not isinstance(state, Fp8History):
+            raise TypeError(
+                f"amp_fp8_delayed: the first argument must be an Fp8History (from init), got "
+                f"{type(state).__name__}"
+            )
+        traced, dyn = self._amp._traced_call(args, kwargs)
+        rows = tuple(state.amax)
+        if not any(isinstance(x, jax.core.Tracer) for x in (*rows, *dyn)):
+            # concrete values: one compiled program, as amp itself runs them
+            key = ("fp8_history", self._amp._context().scopes)
+            compiled = traced.compiled.get(key)
+            if compiled is None:
+                compiled = traced.compiled[key] = jax.jit(
+                    lambda rows, *dyn: self._evaluate(traced, rows, False, dyn)[0]
+                )
+            return traced.rebuild(compiled(rows, *dyn))
+        return traced.rebuild(self._evaluate(traced, rows, False, dyn)[0])
+
+    def init(self, *args: Any, **kwargs: Any) -> Fp8History:
+        """The first :class:`Fp8History` for calls with arguments shaped like these: every
+        history filled with what one step measures on them (a forward pass, and a backward
+        pass from ones on every floating output)."""
+        traced, dyn = self._amp._traced_call(args, kwargs)
+        counted: list[Slots] = []
+
+        def count(*dyn: Any) -> list:
+            outs, slots = self._evaluate(traced, None, False, dyn)
+            counted.append(slots)
+            return outs
+
+        jax.eval_shape(count, *dyn)
+        shapes = counted[0].shapes
+
+        # compiled, as the train step will be: XLA's fused elementwise code may round
+        # differently from one dispatch per operation, and the amaxes should be the step's
+        @jax.jit
+        def measure(*dyn: Any) -> tuple:
+            empty = tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
+            outs, pullback = jax.vjp(lambda rows: self._evaluate(traced, rows, True, dyn)[0], empty)
+            (rows,) = pullback([_cotangent(x) for x in outs])
+            return tuple(rows)
+
+        return Fp8History(measure(*dyn))
+
+
+def amp_fp8_delayed(fn: Callable[..., Any], *, history: int = 16, amp_policy: Any = None) -> DelayedFp8:
+    """``amp(fn, compute_dtype="fp8")`` with *delayed* scaling: each float8 operand and output
+    gradient is scaled by the largest amax of the last ``history`` steps, not by its own.
+
+    The returned function takes an :class:`Fp8History` before ``fn``'s arguments; its
+    ``init(*args)`` makes the first one. Differentiate with respect to the history as well as
+    the parameters: that gradient is the next history (this step's amaxes pushed in, the oldest
+    dropped); it is not for an optimizer. A value above the history's range saturates at the
+    format's largest, as in Transformer Engine; an inf or NaN still reaches the outputs and is
+    kept out of the history. Loss scalers must not see the history's gradient (they would
+    divide it by the scale), and under ``shard_map`` a replicated history's gradient is the sum
+    over devices, an amax too large by at most that many times.
+
+    Products in ``scan`` bodies take one history per iteration (stacked); those in while
+    loops, branches and custom derivative rules keep current scaling (docs/fp8.md); first
+    derivatives only, as with ``compute_dtype="fp8"``.
+
+    Args:
+        fn: The function to run, as for :func:`autocast.amp`.
+        history: How many past steps' amaxes decide a scale (Transformer Engine's default is
+            1024 with the largest taken; 16 follows a changing scale faster).
+        amp_policy: A policy, as for :func:`autocast.amp`.
+
+    Returns:
+        A :class:`DelayedFp8`: ``f(history, *args, **kwargs)`` returns what ``fn`` returns, and
+        ``f.init(*args, **kwargs)`` gives the first history.
+
+    Raises:
+        ValueError: If ``history`` is not an int >= 1, or a history does not fit the program
+            (made by another function, or for other shapes).
+        TypeError: If the first argument of a call is not an :class:`Fp8History`.
+
+    Example:
+        >>> import autocast, jax, jax.numpy as jnp
+        >>> loss = autocast.amp_fp8_delayed(lambda w, x: jnp.mean((x @ w) ** 2), history=4)
+        >>> w, x = jnp.eye(8), jnp.ones((4, 8))
+        >>> h = loss.init(w, x)
+        >>> h, g = jax.grad(loss, argnums=(0, 1))(h, w, x)
+        >>> g.dtype, h.amax[0].shape
+        (dtype('float32'), (3, 4))
+    """
+    return DelayedFp8(fn, history, amp_policy)

@@ -1,0 +1,283 @@
+"""Delayed float8 scaling (``autocast.amp_fp8_delayed``): scales from an amax history, the
+history's exact transitions, what keeps current scaling, and what it refuses."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+
+import autocast
+from autocast._src.demo import models as _models
+from autocast._src.tools import measure as _measure
+
+H = 4
+
+
+def _mlp(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def _mlp_args(scale=1.0):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {
+        "w1": jax.random.normal(k1, (16, 32)) * 0.3,
+        "w2": jax.random.normal(k2, (32, 8)) * 0.3,
+    }
+    return params, jax.random.normal(k3, (8, 16)) * scale
+
+
+def _amax_bf16(x):
+    return float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))).astype(jnp.float32))
+
+
+def test_first_step_after_init_equals_current_scaling_bit_for_bit():
+    # init fills every history with this step's amax: the same scales as current scaling
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    current = autocast.amp(_mlp, compute_dtype="fp8")
+    want_v, want_g = jax.jit(jax.value_and_grad(current))(params, x)
+    got_v, (_, got_g) = jax.jit(jax.value_and_grad(delayed, argnums=(0, 1)))(history, params, x)
+    assert float(got_v) == float(want_v)
+    for a, b in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_history_rows_are_operand_and_gradient_amaxes_newest_first():
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    assert len(history.amax) == 2 and all(h.shape == (3, H) for h in history.amax)
+    first = history.amax[0]
+    assert np.all(first[0] == _amax_bf16(x)) and np.all(first[1] == _amax_bf16(params["w1"]))
+    x2 = x * 2.0
+    new, _ = jax.grad(delayed, argnums=(0, 1))(history, params, x2)
+    for old, nxt in zip(history.amax, new.amax):
+        np.testing.assert_array_equal(nxt[:, 1:], old[:, :-1])  # the rest moved one back
+    assert float(new.amax[0][0, 0]) == _amax_bf16(x2)
+    assert float(new.amax[0][1, 0]) == _amax_bf16(params["w1"])
+    # the output gradient row: the amax of what reached the first product's output
+    assert 0 < float(new.amax[0][2, 0]) < np.inf
+
+
+def test_scales_come_from_the_history_not_the_tensor():
+    # a history ten times larger than the tensor: the operand is quantised with that scale,
+    # so the result differs from current scaling's, but only by float8 rounding
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    wide = autocast.Fp8History(tuple(h * 10.0 for h in history.amax))
+    got = float(delayed(wide, params, x))
+    same = float(delayed(history, params, x))
+    assert got != same
+    assert abs(got - same) / same < 0.1
+
+
+def test_values_above_the_history_saturate_and_stay_finite():
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(lambda w, x: x @ w, history=H)
+    history = delayed.init(params["w1"], x)
+    out = delayed(history, params["w1"], x * 100.0)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    # saturated: far below the true product, whose scale the history did not know
+    assert float(jnp.max(jnp.abs(out))) < 0.5 * float(jnp.max(jnp.abs(x * 100.0 @ params["w1"])))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_non_finite_input_reaches_the_loss_and_leaves_the_history_as_it_was(bad):
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    value, (new, grads) = jax.value_and_grad(delayed, argnums=(0, 1))(history, params, x.at[0, 0].set(bad))
+    assert not np.isfinite(float(value))
+    assert not bool(autocast.all_finite(grads))
+    # the operand's row keeps its entries (an inf amax would poison every later scale)
+    np.testing.assert_array_equal(new.amax[0][0], history.amax[0][0])
+    assert bool(autocast.all_finite(new))
+
+
+def test_quantisations_wait_for_no_reduction_of_their_own_tensor():
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    step_delayed = jax.make_jaxpr(jax.value_and_grad(delayed, argnums=(0, 1)))(history, params, x)
+    step_current = jax.make_jaxpr(jax.value_and_grad(autocast.amp(_mlp, compute_dtype="fp8")))(params, x)
+    assert _measure.float8_casts(step_delayed) == _measure.float8_casts(step_current) == 6
+    assert _measure.serial_quantisations(step_current) == 6
+    assert _measure.serial_quantisations(step_delayed) == 0
+
+
+def test_products_in_branches_keep_current_scaling():
+    def f(w, x):
+        y = x @ w  # in the program itself: takes a history
+        # a branch's products would leave the untaken branch's histories without a gradient
+        y = jax.lax.cond(jnp.sum(y) > 0, lambda y: y @ w, lambda y: -y, y)
+        return jnp.sum(y)
+
+    w, x = jnp.eye(8) * 0.5, jnp.ones((4, 8))
+    delayed = autocast.amp_fp8_delayed(f, history=H)
+    history = delayed.init(w, x)
+    assert len(history.amax) == 1
+    step = jax.make_jaxpr(jax.grad(delayed, argnums=(0, 1)))(history, w, x)
+    current = jax.make_jaxpr(jax.grad(autocast.amp(f, compute_dtype="fp8")))(w, x)
+    # the first product's three quantisations (two operands, one output gradient) no longer
+    # wait for a reduction; those in the branch still do
+    assert _measure.serial_quantisations(step) == _measure.serial_quantisations(current) - 3 > 0
+    assert float(delayed(history, w, x)) == float(autocast.amp(f, compute_dtype="fp8")(w, x))
+
+
+def test_plain_jit_calls_are_evaluated_in_place_and_take_histories():
+    inner = jax.jit(lambda w, x: jnp.tanh(x @ w))
+    delayed = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(inner(w, inner(w, x))), history=H)
+    assert len(delayed.init(jnp.eye(8), jnp.ones((2, 8))).amax) == 2
+
+
+def test_eager_and_jit_calls_agree():
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    assert float(delayed(history, params, x)) == float(jax.jit(delayed)(history, params, x))
+
+
+def test_refuses_what_does_not_fit():
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    with pytest.raises(TypeError, match="Fp8History"):
+        delayed(history.amax, params, x)
+    with pytest.raises(ValueError, match="has 1 histories but the program has more"):
+        delayed(autocast.Fp8History(history.amax[:1]), params, x)
+    with pytest.raises(ValueError, match=r"expected \(3, 4\)"):
+        delayed(autocast.Fp8History(tuple(h[:, :2] for h in history.amax)), params, x)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="history must be an int >= 1"):
+            autocast.amp_fp8_delayed(_mlp, history=bad)
+
+
+def test_second_derivatives_are_refused():
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(lambda x, w: _mlp(w, x), history=H)
+    history = delayed.init(x, params)
+    with pytest.raises(TypeError, match="first derivatives only"):
+        jax.hessian(lambda x: delayed(history, x, params))(x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    scales=st.lists(
+        st.one_of(st.floats(0.01, 100.0), st.just(float("inf"))), min_size=1, max_size=10
+    )
+)
+def test_history_is_the_last_finite_amaxes(scales):
+    """Property: after any schedule of input scales (an inf one is a poisoned batch), the
+    operand row holds the newest finite amaxes first, init's value filling the rest; every
+    step on finite data gives finite gradients."""
+    w = jnp.eye(4) * 0.5
+    base = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    delayed = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(jnp.tanh(x @ w)), history=H)
+    step = jax.jit(jax.grad(delayed, argnums=(0, 1)))
+    history = delayed.init(w, base)
+    seen = [_amax_bf16(base)] * H
+    for s in scales:
+        x = base * s if np.isfinite(s) else base.at[0, 0].set(np.inf)
+        history, grad = step(history, w, x)
+        if np.isfinite(s):
+            seen = [_amax_bf16(x), *seen[:-1]]
+            assert bool(jnp.all(jnp.isfinite(grad)))
+        np.testing.assert_array_equal(history.amax[0][0], np.asarray(seen, np.float32))
+
+
+@pytest.mark.slow
+def test_gpt_trains_with_delayed_scaling_as_with_current_scaling():
+    config = dict(vocab=32, d=32, layers=2, seq=16)
+    params = _models.init_gpt(jax.random.PRNGKey(0), **config)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (8, config["seq"] + 1), 0, config["vocab"])
+    optimizer = optax.adam(3e-3)
+
+    def train(loss, history=None):
+        p, opt, losses = params, optimizer.init(params), []
+
+        @jax.jit
+        def step(history, p, opt):
+            if history is None:
+                value, grads = jax.value_and_grad(loss)(p, tokens)
+            else:
+                value, (history, grads) = jax.value_and_grad(loss, argnums=(0, 1))(history, p, tokens)
+            updates, opt = optimizer.update(grads, opt, p)
+            return history, optax.apply_updates(p, updates), opt, value
+
+        for _ in range(40):
+            history, p, opt, value = step(history, p, opt)
+            losses.append(float(value))
+        return losses
+
+    delayed = autocast.amp_fp8_delayed(_models.gpt_loss, history=16)
+    got = train(delayed, delayed.init(params, tokens))
+    want = train(autocast.amp(_models.gpt_loss, compute_dtype="fp8"))
+    assert got[-1] < 0.8 * got[0]
+    assert abs(got[-1] - want[-1]) / want[-1] < 0.05
+
+
+def _scanned(params, x):
+    def block(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(block, x, params)
+    return jnp.mean(h**2)
+
+
+def test_scanned_layers_each_take_their_own_history():
+    layers = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) * jnp.array([0.5, 1.0, 2.0])[:, None, None]
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
+    delayed = autocast.amp_fp8_delayed(_scanned, history=H)
+    history = delayed.init(layers, x)
+    (stacked,) = history.amax
+    assert stacked.shape == (3, 3, H)
+    # the weight row of each layer: that layer's amax
+    for i in range(3):
+        assert float(stacked[i, 1, 0]) == _amax_bf16(layers[i])
+    step = jax.make_jaxpr(jax.value_and_grad(delayed, argnums=(0, 1)))(history, layers, x)
+    assert _measure.serial_quantisations(step) == 0
+    # the first step after init scales as current scaling does, layer by layer
+    current = autocast.amp(_scanned, compute_dtype="fp8")
+    want = jax.grad(current)(layers, x)
+    new, got = jax.grad(delayed, argnums=(0, 1))(history, layers, x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(new.amax[0][:, :, 1:], stacked[:, :, :-1])
+
+
+def test_checkpointed_products_take_histories():
+    f = lambda w, x: jnp.sum(jax.checkpoint(lambda w, x: jnp.tanh(x @ w) @ w)(w, x))  # noqa: E731
+    w, x = jnp.eye(8) * 0.5, jnp.ones((4, 8))
+    delayed = autocast.amp_fp8_delayed(f, history=H)
+    history = delayed.init(w, x)
+    assert len(history.amax) == 2
+    step = jax.make_jaxpr(jax.value_and_grad(delayed, argnums=(0, 1)))(history, w, x)
+    assert _measure.serial_quantisations(step) == 0
+    want = jax.grad(autocast.amp(f, compute_dtype="fp8"))(w, x)
+    np.testing.assert_array_equal(jax.grad(delayed, argnums=1)(history, w, x), want)
+
+
+def test_without_the_histories_gradient_no_amax_pass_is_left():
+    # by XLA's cost analysis: evaluating (or differentiating the parameters only) under
+    # delayed scaling reads each operand once, where current scaling reads it twice (its
+    # amax, then the rounding); the amaxes are only wanted for the next history
+    params, x = _mlp_args()
+    x = jnp.tile(x, (16, 1))
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    current = autocast.amp(_mlp, compute_dtype="fp8")
+    forward = (_measure.bytes_accessed(lambda p, x: delayed(history, p, x), params, x),
+               _measure.bytes_accessed(current, params, x))
+    params_only = (
+        _measure.bytes_accessed(jax.grad(lambda p, x: delayed(history, p, x)), params, x),
+        _measure.bytes_accessed(jax.grad(current), params, x),
+    )
+    assert forward[0] < 0.9 * forward[1]
+    assert params_only[0] < 0.9 * params_only[1]
