@@ -157,23 +157,6 @@ def _carry_dtypes(
     return proposed if stable else entering
 
 
-def _loop(
-    body: Any,
-    invals: list,
-    kinds: Sequence[int],
-    n_consts: int,
-    n_carry: int,
-    ctx: Context,
-    spec: Callable[[int, Any], Any],
-) -> tuple[Any, list]:
-    """Re-traces a loop body taking ``invals``: ``n_consts`` constants, ``n_carry`` carries,
-    then per-iteration inputs whose specs ``spec(position, value)`` gives. Returns the body
-    and the inputs with each carry cast to its loop dtype. Inside, carries are STRONG: every
-    iteration recomputes them."""
-    invals, plan = _loop_plan(body, invals, kinds, n_consts, n_carry, ctx, spec)
-    return retrace(body.jaxpr, body.consts, ctx=ctx, **plan), invals
-
-
 def _loop_plan(
     body: Any,
     invals: list,
@@ -183,8 +166,10 @@ def _loop_plan(
     ctx: Context,
     spec: Callable[[int, Any], Any],
 ) -> tuple[list, dict[str, Any]]:
-    """:func:`_loop`'s inputs, each carry cast to its loop dtype, and the arguments of
-    :func:`retrace` that trace the body for them."""
+    """How to re-trace a loop body taking ``invals``: ``n_consts`` constants, ``n_carry``
+    carries, then per-iteration inputs whose specs ``spec(position, value)`` gives. Returns the
+    inputs with each carry cast to its loop dtype, and the arguments of :func:`retrace` that
+    trace the body for them. Inside, carries are STRONG: every iteration recomputes them."""
     specs = [spec(i, x) for i, x in enumerate(invals)]
     literals = literals_of(invals, range(n_consts))
     carry = range(n_consts, n_consts + n_carry)
@@ -215,7 +200,9 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
         outs = _scan_with_histories(eqn, invals, kinds, ctx, spec)
         if outs is not None:
             return outs
-    traced, invals = _loop(body, invals, kinds, n_consts, n_carry, ctx.enter(eqn), spec)
+    inner = ctx.enter(eqn)
+    invals, plan = _loop_plan(body, invals, kinds, n_consts, n_carry, inner, spec)
+    traced = retrace(body.jaxpr, body.consts, ctx=inner, **plan)
     return _compat.bind_equation(eqn, invals, {**p, "jaxpr": traced})
 
 
@@ -272,10 +259,11 @@ def _while(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
     inner = ctx.enter(eqn)
     cond_consts = invals[:n_cond]
     n_carry = len(invals) - n_cond - n_body
-    body, rest = _loop(
+    rest, plan = _loop_plan(
         p["body_jaxpr"], invals[n_cond:], kinds[n_cond:], n_body, n_carry, inner,
         lambda i, x: spec_of(x),
     )
+    body = retrace(p["body_jaxpr"].jaxpr, p["body_jaxpr"].consts, ctx=inner, **plan)
     carry = rest[n_body:]
     cond = retrace(
         p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
