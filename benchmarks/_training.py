@@ -42,14 +42,14 @@ def final_loss_delayed(
     last: int,
 ) -> float:
     """:func:`final_loss` for a function of :func:`autocast.amp_fp8_delayed`: its history
-    made by ``init`` on the first batch, then replaced each step by its gradient."""
+    made by ``init`` on the first batch, then advanced each step by its gradient."""
     optimizer = optax.adam(1e-3)
 
     @jax.jit
     def step(history: Any, params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, Any, jax.Array]:
-        value, (history, grads) = jax.value_and_grad(loss, argnums=(0, 1))(history, params, *batches(i))
+        value, (g_history, grads) = jax.value_and_grad(loss, argnums=(0, 1))(history, params, *batches(i))
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return history, optax.apply_updates(params, updates), opt_state, value
+        return history.advance(g_history), optax.apply_updates(params, updates), opt_state, value
 
     history = loss.init(params, *batches(jnp.asarray(0)))
     opt_state, losses = optimizer.init(params), []

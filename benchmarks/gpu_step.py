@@ -116,7 +116,7 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
 
 def _delayed_gpt_step(loss: Callable, params: Any, optimizer: Any, config: dict) -> tuple[Callable, Any]:
     """:func:`_gpt_step`'s step under ``autocast.amp_fp8_delayed``: its state is
-    ``(history, params)``, the history replaced each step by its gradient."""
+    ``(history, params)``, the history advanced each step by its gradient."""
     import gpu_models
     import jax
     import optax
@@ -124,16 +124,16 @@ def _delayed_gpt_step(loss: Callable, params: Any, optimizer: Any, config: dict)
     import autocast
 
     loss8 = autocast.amp_fp8_delayed(loss, history=16)
-    history = jax.jit(loss8.init)(params, gpu_models.gpt2_batch(jax.numpy.asarray(0), **config))
+    history = loss8.init(params, gpu_models.gpt2_batch(jax.numpy.asarray(0), **config))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(state: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
         history, params = state
-        value, (history, grads) = jax.value_and_grad(loss8, argnums=(0, 1))(
+        value, (g_history, grads) = jax.value_and_grad(loss8, argnums=(0, 1))(
             history, params, gpu_models.gpt2_batch(i, **config)
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (history, optax.apply_updates(params, updates)), opt_state, value
+        return (history.advance(g_history), optax.apply_updates(params, updates)), opt_state, value
 
     return step, ((history, params), optimizer.init(params))
 

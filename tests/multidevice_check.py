@@ -80,6 +80,21 @@ def main() -> None:
     np.testing.assert_allclose(amp_p(xs), pfn(xs), rtol=3e-2, atol=3e-2)
     print("pmap ok")
 
+    # delayed float8 scaling: a replicated history's gradient is the sum over devices, and
+    # its bins still show the largest amax of any device's shard
+    big = x.at[5].multiply(40.0)  # device 2's rows
+    f8 = autocast.amp_fp8_delayed(lambda w, xb: jnp.mean(jnp.tanh(xb @ w)), history=4)
+    history = f8.init(w, big)
+    sharded = _compat.shard_map(lambda h, w, xb: jax.lax.pmean(f8(h, w, xb), "d"), mesh, (P(), P(), P("d")), P())
+    step = jax.jit(jax.grad(sharded, argnums=(0, 1)))
+    for _ in range(3):
+        g_history, g_w = step(history, w, jax.device_put(big, NamedSharding(mesh, P("d"))))
+        history = history.advance(g_history)
+        assert np.all(np.isfinite(np.asarray(g_w)))
+    want = 2.0 ** np.ceil(np.log2(float(jnp.max(jnp.abs(big.astype(jnp.bfloat16))))))
+    assert np.asarray(history.amax[0][0]).tolist() == [want] * 4, history.amax[0]
+    print("fp8 history ok")
+
 
 if __name__ == "__main__":
     main()

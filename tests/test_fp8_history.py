@@ -3,6 +3,9 @@ history's exact transitions, what keeps current scaling, and what it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 
 import autocast
+from autocast._src import fp8
 from autocast._src.demo import models as _models
 from autocast._src.tools import measure as _measure
 
@@ -36,32 +40,44 @@ def _amax_bf16(x):
     return float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))).astype(jnp.float32))
 
 
-def test_first_step_after_init_equals_current_scaling_bit_for_bit():
-    # init fills every history with this step's amax: the same scales as current scaling
+def _bound(v):
+    """The power of two at or above ``v``, as histories hold amaxes."""
+    return float(2.0 ** np.ceil(np.log2(v)))
+
+
+def _step(delayed, history, params, *rest):
+    """One training step's value, next history and gradient of the parameters."""
+    value, (g_history, grads) = jax.value_and_grad(delayed, argnums=(0, 1))(history, params, *rest)
+    return value, history.advance(g_history), grads
+
+
+def test_first_step_after_init_is_current_scaling_up_to_the_scales_power_of_two():
+    # init fills every history with this step's amax, rounded up to a power of two: the
+    # quantised values differ from current scaling's by float8 rounding only
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
     current = autocast.amp(_mlp, compute_dtype="fp8")
     want_v, want_g = jax.jit(jax.value_and_grad(current))(params, x)
-    got_v, (_, got_g) = jax.jit(jax.value_and_grad(delayed, argnums=(0, 1)))(history, params, x)
-    assert float(got_v) == float(want_v)
-    for a, b in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
-        np.testing.assert_array_equal(a, b)
+    got_v, _, got_g = jax.jit(functools.partial(_step, delayed))(history, params, x)
+    assert abs(float(got_v) - float(want_v)) < 0.05 * abs(float(want_v))
+    assert _measure.relative_error(got_g, want_g) < 0.15
 
 
 def test_history_rows_are_operand_and_gradient_amaxes_newest_first():
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
+    assert history.measured == (True, True)
     assert len(history.amax) == 2 and all(h.shape == (3, H) for h in history.amax)
     first = history.amax[0]
-    assert np.all(first[0] == _amax_bf16(x)) and np.all(first[1] == _amax_bf16(params["w1"]))
-    x2 = x * 2.0
-    new, _ = jax.grad(delayed, argnums=(0, 1))(history, params, x2)
+    assert np.all(first[0] == _bound(_amax_bf16(x))) and np.all(first[1] == _bound(_amax_bf16(params["w1"])))
+    x2 = x * 3.0
+    _, new, _ = _step(delayed, history, params, x2)
     for old, nxt in zip(history.amax, new.amax):
         np.testing.assert_array_equal(nxt[:, 1:], old[:, :-1])  # the rest moved one back
-    assert float(new.amax[0][0, 0]) == _amax_bf16(x2)
-    assert float(new.amax[0][1, 0]) == _amax_bf16(params["w1"])
+    assert float(new.amax[0][0, 0]) == _bound(_amax_bf16(x2))
+    assert float(new.amax[0][1, 0]) == _bound(_amax_bf16(params["w1"]))
     # the output gradient row: the amax of what reached the first product's output
     assert 0 < float(new.amax[0][2, 0]) < np.inf
 
@@ -72,7 +88,7 @@ def test_scales_come_from_the_history_not_the_tensor():
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
-    wide = autocast.Fp8History(tuple(h * 10.0 for h in history.amax))
+    wide = dataclasses.replace(history, amax=tuple(h * 10.0 for h in history.amax))
     got = float(delayed(wide, params, x))
     same = float(delayed(history, params, x))
     assert got != same
@@ -94,7 +110,7 @@ def test_non_finite_input_reaches_the_loss_and_leaves_the_history_as_it_was(bad)
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
-    value, (new, grads) = jax.value_and_grad(delayed, argnums=(0, 1))(history, params, x.at[0, 0].set(bad))
+    value, new, grads = _step(delayed, history, params, x.at[0, 0].set(bad))
     assert not np.isfinite(float(value))
     assert not bool(autocast.all_finite(grads))
     # the operand's row keeps its entries (an inf amax would poison every later scale)
@@ -152,12 +168,20 @@ def test_refuses_what_does_not_fit():
     with pytest.raises(TypeError, match="Fp8History"):
         delayed(history.amax, params, x)
     with pytest.raises(ValueError, match="has 1 histories but the program has more"):
-        delayed(autocast.Fp8History(history.amax[:1]), params, x)
+        delayed(autocast.Fp8History(history.amax[:1], history.inbox[:1], (True,)), params, x)
     with pytest.raises(ValueError, match=r"expected \(3, 4\)"):
-        delayed(autocast.Fp8History(tuple(h[:, :2] for h in history.amax)), params, x)
+        delayed(dataclasses.replace(history, amax=tuple(h[:, :2] for h in history.amax)), params, x)
+    with pytest.raises(TypeError, match="gradient with respect to this history"):
+        history.advance(history.amax)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="history must be an int >= 1"):
             autocast.amp_fp8_delayed(_mlp, history=bad)
+    # amp itself cannot thread histories: a delayed recipe is refused there, not ignored
+    with pytest.raises(ValueError, match="amp_fp8_delayed"):
+        autocast.amp(_mlp, compute_dtype=dataclasses.replace(fp8.DEFAULT_RECIPE, history=8))
+    # nor run inside another amp, which would drop them
+    with pytest.raises(TypeError, match="inside another amp"):
+        autocast.amp(lambda p, x: delayed(history, p, x))(params, x)
 
 
 def test_second_derivatives_are_refused():
@@ -181,14 +205,14 @@ def test_history_is_the_last_finite_amaxes(scales):
     w = jnp.eye(4) * 0.5
     base = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
     delayed = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(jnp.tanh(x @ w)), history=H)
-    step = jax.jit(jax.grad(delayed, argnums=(0, 1)))
+    step = jax.jit(functools.partial(_step, delayed))
     history = delayed.init(w, base)
-    seen = [_amax_bf16(base)] * H
+    seen = [_bound(_amax_bf16(base))] * H
     for s in scales:
         x = base * s if np.isfinite(s) else base.at[0, 0].set(np.inf)
-        history, grad = step(history, w, x)
+        _, history, grad = step(history, w, x)
         if np.isfinite(s):
-            seen = [_amax_bf16(x), *seen[:-1]]
+            seen = [_bound(_amax_bf16(x)), *seen[:-1]]
             assert bool(jnp.all(jnp.isfinite(grad)))
         np.testing.assert_array_equal(history.amax[0][0], np.asarray(seen, np.float32))
 
@@ -208,7 +232,7 @@ def test_gpt_trains_with_delayed_scaling_as_with_current_scaling():
             if history is None:
                 value, grads = jax.value_and_grad(loss)(p, tokens)
             else:
-                value, (history, grads) = jax.value_and_grad(loss, argnums=(0, 1))(history, p, tokens)
+                value, history, grads = _step(loss, history, p, tokens)
             updates, opt = optimizer.update(grads, opt, p)
             return history, optax.apply_updates(p, updates), opt, value
 
@@ -221,7 +245,7 @@ def test_gpt_trains_with_delayed_scaling_as_with_current_scaling():
     got = train(delayed, delayed.init(params, tokens))
     want = train(autocast.amp(_models.gpt_loss, compute_dtype="fp8"))
     assert got[-1] < 0.8 * got[0]
-    assert abs(got[-1] - want[-1]) / want[-1] < 0.05
+    assert abs(got[-1] - want[-1]) / want[-1] < 0.1
 
 
 def _scanned(params, x):
@@ -233,7 +257,7 @@ def _scanned(params, x):
 
 
 def test_scanned_layers_each_take_their_own_history():
-    layers = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) * jnp.array([0.5, 1.0, 2.0])[:, None, None]
+    layers = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) * jnp.array([0.2, 0.3, 0.4])[:, None, None]
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
     delayed = autocast.amp_fp8_delayed(_scanned, history=H)
     history = delayed.init(layers, x)
@@ -241,15 +265,20 @@ def test_scanned_layers_each_take_their_own_history():
     assert stacked.shape == (3, 3, H)
     # the weight row of each layer: that layer's amax
     for i in range(3):
-        assert float(stacked[i, 1, 0]) == _amax_bf16(layers[i])
+        assert float(stacked[i, 1, 0]) == _bound(_amax_bf16(layers[i]))
     step = jax.make_jaxpr(jax.value_and_grad(delayed, argnums=(0, 1)))(history, layers, x)
     assert _measure.serial_quantisations(step) == 0
-    # the first step after init scales as current scaling does, layer by layer
-    current = autocast.amp(_scanned, compute_dtype="fp8")
-    want = jax.grad(current)(layers, x)
-    new, got = jax.grad(delayed, argnums=(0, 1))(history, layers, x)
-    np.testing.assert_array_equal(got, want)
+    # the next step: each layer's history moves on with its own amax
+    _, new, got = _step(delayed, history, layers * 2.0, x)
+    for i in range(3):
+        assert float(new.amax[0][i, 1, 0]) == _bound(_amax_bf16(layers[i] * 2.0))
     np.testing.assert_array_equal(new.amax[0][:, :, 1:], stacked[:, :, :-1])
+    # at a steady state, as close to float32 as current scaling (the scales are powers of two
+    # at or above the amax, and the largest of the history: coarser by up to twice)
+    _, _, got = _step(delayed, history, layers, x)
+    current = jax.grad(autocast.amp(_scanned, compute_dtype="fp8"))(layers, x)
+    f32 = jax.grad(_scanned)(layers, x)
+    assert _measure.relative_error(got, f32) < 1.5 * _measure.relative_error(current, f32)
 
 
 def test_checkpointed_products_take_histories():
@@ -261,7 +290,7 @@ def test_checkpointed_products_take_histories():
     step = jax.make_jaxpr(jax.value_and_grad(delayed, argnums=(0, 1)))(history, w, x)
     assert _measure.serial_quantisations(step) == 0
     want = jax.grad(autocast.amp(f, compute_dtype="fp8"))(w, x)
-    np.testing.assert_array_equal(jax.grad(delayed, argnums=1)(history, w, x), want)
+    assert _measure.relative_error(jax.grad(delayed, argnums=1)(history, w, x), want) < 0.1
 
 
 def test_without_the_histories_gradient_no_amax_pass_is_left():
@@ -281,3 +310,88 @@ def test_without_the_histories_gradient_no_amax_pass_is_left():
     )
     assert forward[0] < 0.9 * forward[1]
     assert params_only[0] < 0.9 * params_only[1]
+
+
+def _twice(delayed):
+    """A step that uses the history in two calls (two microbatches of one step)."""
+
+    def loss(history, params, x):
+        return delayed(history, params, x[:4]) + delayed(history, params, x[4:])
+
+    return loss
+
+
+def _accumulated(delayed):
+    """Gradient accumulation over microbatches with a scan: the history closed over."""
+
+    def loss(history, params, xs):
+        def body(total, x):
+            return total + delayed(history, params, x), None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    return loss
+
+
+@pytest.mark.parametrize("use", ["twice", "vmap", "scan"])
+def test_a_history_used_many_times_takes_the_largest_amax_of_them(use):
+    # the gradients of every use are summed; the next history must hold their maximum, and
+    # its older entries must not grow, however many uses and steps
+    params, x = _mlp_args()
+    x = x.at[5].multiply(40.0)  # one example, in one microbatch, far larger than the rest
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(params, x)
+    loss = {
+        "twice": _twice(delayed),
+        "vmap": lambda h, p, x: jnp.sum(jax.vmap(lambda r: delayed(h, p, r[None]))(x)),
+        "scan": lambda h, p, x: _accumulated(delayed)(h, p, x.reshape(2, 4, -1)),
+    }[use]
+    step = jax.jit(lambda h, p, x: jax.grad(loss, argnums=(0, 1))(h, p, x))
+    first = history
+    for _ in range(5):
+        g_history, grads = step(history, params, x)
+        history = history.advance(g_history)
+        assert bool(autocast.all_finite(grads))
+    want = _bound(_amax_bf16(x))
+    np.testing.assert_array_equal(history.amax[0][0], np.full(H, want, np.float32))
+    # the weights' row: the same amax in every use, never summed up
+    np.testing.assert_array_equal(history.amax[0][1], first.amax[0][1])
+
+
+def test_a_product_no_gradient_reaches_keeps_current_scaling():
+    params, x = _mlp_args()
+
+    def f(p, x):
+        h = jax.lax.stop_gradient(jnp.tanh(x @ p["w1"]))  # never differentiated
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    delayed = autocast.amp_fp8_delayed(f, history=H)
+    history = delayed.init(params, x)
+    assert history.measured == (False, True)
+    current = autocast.amp(f, compute_dtype="fp8")
+    reference = f(params, x)
+    for _ in range(3):
+        value, history, _ = _step(delayed, history, params, x)
+        assert abs(float(value) - float(reference)) < 0.05 * float(reference)
+    assert abs(float(value) - float(current(params, x))) < 0.05 * float(reference)
+
+
+def test_a_product_only_an_aux_output_uses_keeps_its_history():
+    # with has_aux, no gradient reaches the product behind the aux output: its history is
+    # kept as init measured it, and its values stay right
+    params, x = _mlp_args()
+
+    def f(p, x):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2), jnp.sum(x @ p["w2"][:16])
+
+    delayed = autocast.amp_fp8_delayed(f, history=H)
+    history = delayed.init(params, x)
+    start = history
+    for _ in range(3):
+        (value, aux), (g_history, _) = jax.value_and_grad(delayed, argnums=(0, 1), has_aux=True)(history, params, x)
+        history = history.advance(g_history)
+    np.testing.assert_array_equal(history.amax[2], start.amax[2])
+    want = f(params, x)[1]
+    assert abs(float(aux) - float(want)) < 0.05 * abs(float(want))
+
+# Under shard_map (every device takes the largest amax of any): tests/multidevice_check.py.

@@ -274,7 +274,7 @@ def test_shard_map_and_pmap_on_several_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert all(f"{what} ok" in done.stdout for what in ("shard_map", "psum", "loss scaling", "pmap"))
+    assert all(f"{what} ok" in done.stdout for what in ("shard_map", "psum", "loss scaling", "pmap", "fp8 history"))
 
 
 # --- random nests of all of the above (hypothesis) ---------------------------------------------

@@ -452,3 +452,21 @@ def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     from jax.experimental.shard_map import shard_map as legacy
 
     return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The ``shard_map`` mesh axes along which ``x`` varies: the type's ``vma`` up to JAX
+    0.9, its ``manual_axis_type.varying`` since; empty outside ``shard_map``."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(getattr(manual, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def invariant_like(x: Any, like: Any) -> Any:
+    """``x`` summed over the ``shard_map`` axes it varies along and ``like`` does not, so it
+    can stand as ``like``'s cotangent (a custom derivative rule must give a replicated input
+    a replicated cotangent). Outside ``shard_map``, ``x`` as it is."""
+    extra = tuple(sorted(varying_axes(x) - varying_axes(like)))
+    return jax.lax.psum(x, extra) if extra else x

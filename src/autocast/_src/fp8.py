@@ -88,8 +88,11 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
     if isinstance(compute_dtype, Recipe):
         if GRADIENT_FORMAT.get(compute_dtype.forward) != compute_dtype.gradient:
             raise ValueError(f"{compute_dtype} pairs formats no recipe pairs; accepted: {ACCEPTED}")
-        if isinstance(compute_dtype.history, bool) or not isinstance(compute_dtype.history, int) or compute_dtype.history < 0:
-            raise ValueError(f"{compute_dtype}: history must be an int >= 0 (0: current scaling)")
+        if compute_dtype.history:
+            raise ValueError(
+                f"{compute_dtype}: delayed scaling takes its histories as an argument; use "
+                "autocast.amp_fp8_delayed"
+            )
         return compute_dtype
     if isinstance(compute_dtype, str) and compute_dtype.strip().lower() in _NAMES:
         return DEFAULT_RECIPE
@@ -259,47 +262,70 @@ def _product(
 _cached_product = functools.lru_cache(maxsize=1024)(_product)
 
 
+# A history's inbox: the gradient with respect to it says what this step measured, in a form
+# that stays right when gradients are *summed* (a history used by several calls, under vmap,
+# over microbatches, or across the devices of a shard_map): each amax as a one-hot over the
+# power of two at or above it, so a sum of them still shows the largest; and a count of the
+# backward passes that wrote (its last column). Bin 0 holds a zero amax; bin
+# ``e + _BIN_OFFSET`` an amax in (2**(e-1), 2**e], for e from -149 to 128.
+_BIN_OFFSET = 150
+BINS = 279
+INBOX = BINS + 1
+
+
+def amax_bins(value: Any) -> Any:
+    """The inbox row of one amax: its bin (none for an inf or NaN) and one use."""
+    mantissa, e = jnp.frexp(value)
+    e = e - (mantissa == 0.5).astype(e.dtype)  # a power of two is its own bound
+    k = jnp.where(value > 0, e + _BIN_OFFSET, 0)
+    hot = jax.nn.one_hot(k, BINS, dtype=_F32) * jnp.isfinite(value).astype(_F32)
+    return jnp.concatenate([hot, jnp.ones((1,), _F32)])
+
+
+def bins_bound(bins: Any) -> tuple[Any, Any]:
+    """``(bound, any)`` of inbox bins (last axis): the power of two at or above the largest
+    amax they hold (0 for a zero amax), and whether they hold one at all."""
+    held = bins > 0
+    k = jnp.max(jnp.where(held, jnp.arange(BINS), -1), axis=-1)
+    e = jnp.clip(k - _BIN_OFFSET, -149, 127)  # 2**128 is no float32
+    bound = jnp.where(k > 0, jnp.ldexp(jnp.ones_like(e, _F32), e), 0.0)
+    return bound, jnp.any(held, axis=-1)
+
+
 def _from_history(history: Any, fmt: Any) -> Any:
     """The delayed scale for ``fmt`` from an amax history: its largest entry over the
-    format's largest value (float32's smallest normal for an all-zero history)."""
-    return jnp.maximum(jnp.max(history) / float(jnp.finfo(np.dtype(fmt)).max), _TINY)
-
-
-def _pushed(history: Any, value: Any, measuring: bool) -> Any:
-    """``history`` with ``value`` as its newest entry, the oldest dropped; unchanged when
-    ``value`` is not finite (that step is skipped, and the next must not be scaled by an
-    inf). Measuring fills the whole history with ``value``."""
-    if measuring:
-        new = jnp.broadcast_to(value, history.shape)
-    else:
-        new = jnp.concatenate([value[None], history[:-1]])
-    return jnp.where(jnp.isfinite(value), new, history)
+    format's largest value; 1 (Transformer Engine's first scale) while the history holds
+    nothing above zero."""
+    top = jnp.max(history)
+    fmax = float(jnp.finfo(np.dtype(fmt)).max)
+    return jnp.where(top > 0, jnp.maximum(top / fmax, _TINY), 1.0).astype(_F32)
 
 
 def _delayed_product(
     prim: Any, frozen: tuple, recipe: Recipe, dtypes: tuple[Any, Any], out_dtype: Any, measuring: bool
-) -> Callable[[Any, Any, Any], Any]:
+) -> Callable[[Any, Any, Any, Any], Any]:
     """The float8 product with *delayed* scaling: each operand, and the output gradient, is
     quantised with the scale its amax history gives (rows 0, 1 and 2 of ``history``, shape
     ``(3, n)``), so a quantisation no longer waits for a reduction over its own tensor and can
     fuse into the kernel that produces it. This step's amaxes are still taken (a reduction
-    beside the quantisation, not before it) and come back as the *gradient* with respect to
-    ``history``: the next history, Flax's "overwrite with gradient" convention. Measuring
-    (``measuring=True``, for a first history) scales from this step's amax instead."""
+    beside the quantisation, not before it) and come back as the gradient with respect to
+    ``inbox`` (see :func:`amax_bins`), from which :meth:`Fp8History.advance` makes the next
+    history. Measuring (``measuring=True``, for a first history) scales from this step's amax
+    instead."""
     params = _widened(dict(frozen))
     wide = _frozen(params)
 
     def scale(x: Any, row: Any, fmt: Any) -> Any:
         return _scale(x, float(jnp.finfo(fmt).max)) if measuring else _from_history(row, fmt)
 
-    def forward(a: Any, b: Any, history: Any) -> tuple[Any, Any]:
+    def forward(a: Any, b: Any, history: Any, inbox: Any) -> tuple[Any, Any]:
         sa, sb = scale(a, history[0], recipe.forward), scale(b, history[1], recipe.forward)
         qa, qb = quantise_with(a, recipe.forward, sa), quantise_with(b, recipe.forward, sb)
         out = prim.bind(qa, qb, **params) * sa * sb
-        return out.astype(out_dtype), (qa, sa, qb, sb, history, amax(a), amax(b))
+        return out.astype(out_dtype), (qa, sa, qb, sb, history, inbox, amax(a), amax(b))
 
-    def backward(residuals: tuple, g: Any) -> tuple[Any, Any, Any]:
-        *kept, amax_a, amax_b = residuals  # the amaxes only feed the next history
+    def backward(residuals: tuple, g: Any) -> tuple[Any, Any, Any, Any]:
+        *kept, inbox, amax_a, amax_b = residuals  # these only feed the inbox
         (qa, sa, qb, sb, history), g = _first_derivative_only((tuple(kept), g))
         sg = scale(g, history[2], recipe.gradient)
         qg = quantise_with(g, recipe.gradient, sg)
@@ -308,11 +334,13 @@ def _delayed_product(
         to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
         da = _evaluate(to_a, [qg, qb], recipe.gradient) * sg * sb
         db = _evaluate(to_b, [qa, qg], recipe.gradient) * sa * sg
-        rows = (amax_a, amax_b, amax(g))
-        new = jnp.stack([_pushed(history[i], v, measuring) for i, v in enumerate(rows)])
-        return da.astype(dtypes[0]), db.astype(dtypes[1]), new
+        measured = jnp.stack([amax_bins(v) for v in (amax_a, amax_b, amax(g))])
+        # under shard_map, a replicated inbox's gradient must be replicated too: the sum over
+        # devices, whose bins show the largest amax of any
+        measured = _compat.invariant_like(measured, inbox)
+        return da.astype(dtypes[0]), db.astype(dtypes[1]), jnp.zeros_like(history), measured
 
-    product = jax.custom_vjp(lambda a, b, history: forward(a, b, history)[0])
+    product = jax.custom_vjp(lambda a, b, history, inbox: forward(a, b, history, inbox)[0])
     product.defvjp(forward, backward)
     return product
 
@@ -361,11 +389,11 @@ def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict, Any], Any]:
         # program itself (not inside a loop, a branch or a re-traced call, see
         # autocast._src.fp8_history); current scaling elsewhere.
         slots = ctx.fp8_history if recipe.history else None
-        history = None if slots is None else slots.take((3, recipe.history))
-        if history is None:
+        taken = None if slots is None else slots.take((3, recipe.history))
+        if taken is None or not taken.measured:
             return _memo(_cached_product, _product, *key)(a, b)
         delayed = _memo(_cached_delayed_product, _delayed_product, *key, slots.measuring)
-        return delayed(a, b, history)
+        return delayed(a, b, taken.history, taken.inbox)
 
     return bind
 

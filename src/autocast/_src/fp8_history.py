@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,27 +32,70 @@ import numpy as np
 
 from autocast._src import fp8
 from autocast._src.transform import amp as _amp
-from autocast._src.transform.histories import Slots
+from autocast._src.transform.histories import Slots, inbox_shape
 
 
-class Fp8History(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["amax", "inbox"], meta_fields=["measured"])
+@dataclasses.dataclass(frozen=True)
+class Fp8History:
     """The amax histories of the float8 products that :func:`amp_fp8_delayed` scales.
 
     ``amax`` holds one float32 array of shape ``(3, history)`` per product, in the order the
     program runs them: rows for the left operand, the right operand and the output gradient,
-    newest first; a product in a ``scan`` body has one per iteration, ``(length, 3,
-    history)``. Make one with ``init``; the gradient of the wrapped function with respect
-    to it is the next one.
+    newest first, each entry the power of two at or above a step's amax; a product in a ``scan``
+    body has one per iteration, ``(length, 3, history)``. ``inbox`` holds zeros of shape
+    ``(3, 280)`` per product (stacked alike): the gradient with respect to it is what the
+    step measured, which :meth:`advance` turns into the next history. ``measured`` (static)
+    flags the products ``init`` could measure; one that no gradient reaches keeps current
+    scaling. Make one with ``init``.
 
     Example:
-        >>> import autocast, jax.numpy as jnp
+        >>> import autocast, jax, jax.numpy as jnp
         >>> f = autocast.amp_fp8_delayed(lambda w, x: (x @ w).sum(), history=4)
-        >>> h = f.init(jnp.ones((8, 8)), jnp.full((2, 8), 3.0))
+        >>> w, x = jnp.ones((8, 8)), jnp.full((2, 8), 3.0)
+        >>> h = f.init(w, x)
         >>> len(h.amax), h.amax[0].shape, h.amax[0][:, 0].tolist()
-        (1, (3, 4), [3.0, 1.0, 1.0])
+        (1, (3, 4), [4.0, 1.0, 1.0])
+        >>> h = h.advance(jax.grad(f)(h, w, 5 * x))   # newest first: 16 > 15
+        >>> h.amax[0][0].tolist()
+        [16.0, 4.0, 4.0, 4.0]
     """
 
-    amax: tuple[jax.Array, ...]
+    amax: tuple[Any, ...]
+    inbox: tuple[Any, ...]
+    measured: tuple[bool, ...]
+
+    def advance(self, grad: Fp8History) -> Fp8History:
+        """The next history: each product's newest amaxes, from ``grad`` (the gradient of the
+        wrapped function with respect to this history), pushed in and the oldest dropped. A
+        product that ``grad`` has nothing from (its backward pass did not run, or met an inf
+        or NaN) keeps its history as it was.
+
+        However many times the history was used in the step (called twice, under ``vmap``,
+        over microbatches, on every device of a ``shard_map``), the newest entry is the
+        largest amax of all of them.
+
+        Args:
+            grad: The gradient with respect to this history.
+
+        Returns:
+            The history for the next step.
+
+        Raises:
+            TypeError: If ``grad`` is no :class:`Fp8History` of the same products.
+        """
+        if not isinstance(grad, Fp8History) or len(grad.inbox) != len(self.inbox):
+            raise TypeError(
+                "Fp8History.advance takes the gradient with respect to this history (an "
+                f"Fp8History with {len(self.inbox)} products), got {type(grad).__name__}"
+            )
+        return dataclasses.replace(self, amax=tuple(_pushed(h, g) for h, g in zip(self.amax, grad.inbox)))
+
+
+def _pushed(history: Any, inbox: Any) -> Any:
+    bound, held = fp8.bins_bound(inbox[..., : fp8.BINS])
+    shifted = jnp.concatenate([bound[..., None], history[..., :-1]], axis=-1)
+    return jnp.where(held[..., None], shifted, history)
 
 
 def _cotangent(x: Any) -> Any:
@@ -72,7 +115,8 @@ class DelayedFp8:
         >>> f = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(jnp.tanh(x @ w)), history=8)
         >>> w, x = jnp.eye(4), jnp.ones((2, 4))
         >>> h = f.init(w, x)
-        >>> value, (h, g) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w, x)
+        >>> value, (g_h, g_w) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w, x)
+        >>> h = h.advance(g_h)
         >>> isinstance(f, autocast.DelayedFp8), f.history, h.amax[0].shape
         (True, 8, (3, 8))
     """
@@ -82,11 +126,14 @@ class DelayedFp8:
             raise ValueError(f"amp_fp8_delayed: history must be an int >= 1, got {history!r}")
         self.history = history
         recipe = dataclasses.replace(fp8.DEFAULT_RECIPE, history=history)
-        self._amp = _amp._Amp(fn, recipe, amp_policy)
+        self._amp = _amp._Amp(fn, None, amp_policy, delayed=recipe)
         functools.update_wrapper(self, fn, updated=())
 
-    def _evaluate(self, traced: Any, rows: Sequence[Any] | None, measuring: bool, dyn: Sequence[Any]) -> tuple[list, Slots]:
-        slots = Slots(rows, measuring)
+    def _evaluate(
+        self, traced: Any, rows: Sequence[Any] | None, measuring: bool, dyn: Sequence[Any],
+        measured: Sequence[bool] | None = None,
+    ) -> tuple[list, Slots]:
+        slots = Slots(rows, measuring, measured)
         ctx = dataclasses.replace(self._amp._context(), fp8_history=slots)
         outs = traced.evaluate(ctx)(*dyn)
         slots.check_all_taken()
@@ -94,29 +141,36 @@ class DelayedFp8:
 
     def __call__(self, state: Fp8History, *args: Any, **kwargs: Any) -> Any:
         if _amp._outer_amp_tracing():
-            return self._amp._fn(*args, **kwargs)
+            raise TypeError(
+                "amp_fp8_delayed: called inside another amp, which would run it without its "
+                "histories; call it outside amp"
+            )
         if not isinstance(state, Fp8History):
             raise TypeError(
                 f"amp_fp8_delayed: the first argument must be an Fp8History (from init), got "
                 f"{type(state).__name__}"
             )
         traced, dyn = self._amp._traced_call(args, kwargs)
-        rows = tuple(state.amax)
-        if not any(isinstance(x, jax.core.Tracer) for x in (*rows, *dyn)):
+        rows = list(zip(state.amax, state.inbox))
+        arrays = (*state.amax, *state.inbox, *dyn)
+        if not any(isinstance(x, jax.core.Tracer) for x in arrays):
             # concrete values: one compiled program, as amp itself runs them
-            key = ("fp8_history", self._amp._context().scopes)
+            key = ("fp8_history", self._amp._context().scopes, state.measured)
             compiled = traced.compiled.get(key)
             if compiled is None:
                 compiled = traced.compiled[key] = jax.jit(
-                    lambda rows, *dyn: self._evaluate(traced, rows, False, dyn)[0]
+                    lambda rows, *dyn: self._evaluate(traced, rows, False, dyn, state.measured)[0]
                 )
             return traced.rebuild(compiled(rows, *dyn))
-        return traced.rebuild(self._evaluate(traced, rows, False, dyn)[0])
+        return traced.rebuild(self._evaluate(traced, rows, False, dyn, state.measured)[0])
 
     def init(self, *args: Any, **kwargs: Any) -> Fp8History:
         """The first :class:`Fp8History` for calls with arguments shaped like these: every
         history filled with what one step measures on them (a forward pass, and a backward
-        pass from ones on every floating output)."""
+        pass from ones on every floating output). A product that no gradient reaches there
+        (under ``stop_gradient``, or feeding only integer outputs) cannot be measured and
+        keeps current scaling; called under ``jax.jit``, where that cannot be told, every
+        product counts as measured."""
         traced, dyn = self._amp._traced_call(args, kwargs)
         counted: list[Slots] = []
 
@@ -132,12 +186,25 @@ class DelayedFp8:
         # differently from one dispatch per operation, and the amaxes should be the step's
         @jax.jit
         def measure(*dyn: Any) -> tuple:
-            empty = tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
-            outs, pullback = jax.vjp(lambda rows: self._evaluate(traced, rows, True, dyn)[0], empty)
-            (rows,) = pullback([_cotangent(x) for x in outs])
-            return tuple(rows)
+            histories = [jnp.zeros(s, jnp.float32) for s in shapes]
+            inboxes = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
+            run = lambda inboxes: self._evaluate(traced, list(zip(histories, inboxes)), True, dyn)[0]  # noqa: E731
+            outs, pullback = jax.vjp(run, inboxes)
+            (got,) = pullback([_cotangent(x) for x in outs])
+            filled = [
+                jnp.broadcast_to(fp8.bins_bound(g[..., : fp8.BINS])[0][..., None], s)
+                for g, s in zip(got, shapes)
+            ]
+            uses = [jnp.all(g[..., fp8.BINS] > 0) for g in got]
+            return tuple(filled), tuple(uses)
 
-        return Fp8History(measure(*dyn))
+        filled, uses = measure(*dyn)
+        if any(isinstance(u, jax.core.Tracer) for u in uses):
+            measured = (True,) * len(uses)
+        else:
+            measured = tuple(bool(u) for u in uses)
+        zeros = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
+        return Fp8History(tuple(filled), zeros, measured)
 
 
 def amp_fp8_delayed(fn: Callable[..., Any], *, history: int = 16, amp_policy: Any = None) -> DelayedFp8:
@@ -146,16 +213,15 @@ def amp_fp8_delayed(fn: Callable[..., Any], *, history: int = 16, amp_policy: An
 
     The returned function takes an :class:`Fp8History` before ``fn``'s arguments; its
     ``init(*args)`` makes the first one. Differentiate with respect to the history as well as
-    the parameters: that gradient is the next history (this step's amaxes pushed in, the oldest
-    dropped); it is not for an optimizer. A value above the history's range saturates at the
-    format's largest, as in Transformer Engine; an inf or NaN still reaches the outputs and is
-    kept out of the history. Loss scalers must not see the history's gradient (they would
-    divide it by the scale), and under ``shard_map`` a replicated history's gradient is the sum
-    over devices, an amax too large by at most that many times.
+    the parameters and pass that gradient to :meth:`Fp8History.advance` for the next history
+    (it is not for an optimizer, nor for a loss scaler). A value above the history's range
+    saturates at the format's largest, as in Transformer Engine; an inf or NaN still reaches
+    the outputs and is kept out of the history.
 
-    Products in ``scan`` bodies take one history per iteration (stacked); those in while
-    loops, branches and custom derivative rules keep current scaling (docs/fp8.md); first
-    derivatives only, as with ``compute_dtype="fp8"``.
+    Products in ``scan`` bodies take one history per iteration (stacked) and those in
+    checkpoints take theirs as inputs; those in while loops, branches and custom derivative
+    rules keep current scaling (docs/fp8.md). First derivatives only, as with
+    ``compute_dtype="fp8"``.
 
     Args:
         fn: The function to run, as for :func:`autocast.amp`.
@@ -170,15 +236,17 @@ def amp_fp8_delayed(fn: Callable[..., Any], *, history: int = 16, amp_policy: An
     Raises:
         ValueError: If ``history`` is not an int >= 1, or a history does not fit the program
             (made by another function, or for other shapes).
-        TypeError: If the first argument of a call is not an :class:`Fp8History`.
+        TypeError: If the first argument of a call is not an :class:`Fp8History`, or the
+            function is called inside another ``amp``.
 
     Example:
         >>> import autocast, jax, jax.numpy as jnp
         >>> loss = autocast.amp_fp8_delayed(lambda w, x: jnp.mean((x @ w) ** 2), history=4)
         >>> w, x = jnp.eye(8), jnp.ones((4, 8))
         >>> h = loss.init(w, x)
-        >>> h, g = jax.grad(loss, argnums=(0, 1))(h, w, x)
-        >>> g.dtype, h.amax[0].shape
+        >>> g_h, g_w = jax.grad(loss, argnums=(0, 1))(h, w, x)
+        >>> h = h.advance(g_h)
+        >>> g_w.dtype, h.amax[0].shape
         (dtype('float32'), (3, 4))
     """
     return DelayedFp8(fn, history, amp_policy)

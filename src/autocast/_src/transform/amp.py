@@ -144,11 +144,15 @@ def _restore(x: Any, aval: Any) -> Any:
 class _Amp:
     """The callable ``amp`` returns; one per wrapped function."""
 
-    def __init__(self, fn: Callable[..., Any], compute_dtype: Any, amp_policy: Any) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], compute_dtype: Any, amp_policy: Any, *, delayed: Any = None
+    ) -> None:
+        """``delayed``: a float8 recipe with delayed scaling (``autocast.amp_fp8_delayed``'s),
+        in place of ``compute_dtype``."""
         self._fn = fn
         policy = default_amp_policy if amp_policy is None else _check_policy(amp_policy)
         try:
-            self.fp8_recipe = None if compute_dtype is None else fp8.recipe_for(compute_dtype)
+            self.fp8_recipe = delayed or (None if compute_dtype is None else fp8.recipe_for(compute_dtype))
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e}; accepted for float8 matrix products: {fp8.ACCEPTED}") from None
         # A float8 compute dtype is a recipe: scaled float8 matrix products, and

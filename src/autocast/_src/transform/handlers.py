@@ -111,8 +111,8 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
         counted = _counted_histories(
             ctx, lambda slots: retrace(jaxpr, (), ctx=dataclasses.replace(inner, fp8_history=slots), **plan)
         )
-        rows = [] if counted is None else [ctx.fp8_history.take(shape) for shape in counted.shapes]
-        if any(x is None for x in rows):
+        rows = None if counted is None else _take_for(ctx, counted, tuple)
+        if rows is None:
             counted, rows = None, []
     traced = retrace(jaxpr, (), ctx=inner, histories=counted, **plan)
     open_jaxpr, consts = _compat.open_jaxpr(traced)
@@ -206,6 +206,17 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     return _compat.bind_equation(eqn, invals, {**p, "jaxpr": traced})
 
 
+def _take_for(ctx: Context, counted: Slots, outer_shape: Callable[[tuple], tuple]) -> list | None:
+    """The arrays (history, inbox, ...) of the slots ``counted`` found in a body, taken from
+    ``ctx``'s slots in the shapes ``outer_shape`` gives them there; ``counted`` learns which
+    were measured. None while counting."""
+    taken = [ctx.fp8_history.take(outer_shape(shape)) for shape in counted.shapes]
+    if any(t is None for t in taken):
+        return None
+    counted.measured = [t.measured for t in taken]
+    return [x for t in taken for x in (t.history, t.inbox)]
+
+
 def _counted_histories(ctx: Context, trace: Callable[..., Any]) -> Slots | None:
     """What a body takes of ``ctx``'s float8 histories, counted by tracing it once
     (``trace(ctx)``) with a counting :class:`Slots`; None if it takes none."""
@@ -233,8 +244,8 @@ def _scan_with_histories(
     if counted is None:
         return None
     length = p["length"]
-    stacked = [ctx.fp8_history.take((length, *shape)) for shape in counted.shapes]
-    if any(x is None for x in stacked):
+    stacked = _take_for(ctx, counted, lambda shape: (length, *shape))
+    if stacked is None:
         return None
     traced = retrace(body.jaxpr, body.consts, ctx=inner, histories=counted, **plan)
     consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]

@@ -16,7 +16,7 @@ import numpy as np
 
 from autocast import _compat
 from autocast._src.policy.casting import cast_value, castable
-from autocast._src.transform.histories import Slots
+from autocast._src.transform.histories import Slots, inbox_shape
 from autocast._src.transform.interpreter import Context, eval_jaxpr
 
 
@@ -92,9 +92,10 @@ def retrace(
 
     ``specs`` describe the inputs, ``kinds`` their kinds, ``literals`` the inputs used by
     value, and ``out_dtypes`` (None entries free) the dtypes outputs are cast to at the end.
-    ``histories``: a :class:`Slots` that counted the float8 histories the body takes; the
-    traced jaxpr then takes one more input per history, after ``specs``, and hands them to
-    the body's products (see :mod:`autocast._src.transform.histories`).
+    ``histories``: a :class:`Slots` that counted the float8 histories the body takes (and
+    says which were measured); the traced jaxpr then takes two more inputs per history, its
+    history and inbox, after ``specs``, and hands them to the body's products (see
+    :mod:`autocast._src.transform.histories`).
     """
     literals = literals or {}
     out_key = None if out_dtypes is None else tuple(out_dtypes)
@@ -115,13 +116,14 @@ def retrace(
     hit = TRACES.get(key, held) if cached else None
     if hit is not None:
         return hit
-    n_rows = 0 if histories is None else histories.taken
+    n_rows = 0 if histories is None else 2 * histories.taken
 
     def interpret(*args: Any) -> list[Any]:
         run_ctx = ctx
         if n_rows:
-            args, rows = args[: len(args) - n_rows], args[len(args) - n_rows:]
-            run_ctx = dataclasses.replace(ctx, fp8_history=Slots(rows, histories.measuring))
+            args, flat = args[: len(args) - n_rows], args[len(args) - n_rows:]
+            slots = Slots(list(zip(flat[::2], flat[1::2])), histories.measuring, histories.measured)
+            run_ctx = dataclasses.replace(ctx, fp8_history=slots)
         args = [literals.get(i, a) for i, a in enumerate(args)]
         outs = eval_jaxpr(jaxpr, consts, args, run_ctx, kinds)
         if n_rows:
@@ -133,7 +135,11 @@ def retrace(
             ]
         return outs
 
-    row_specs = [] if histories is None else [jax.ShapeDtypeStruct(s, np.float32) for s in histories.shapes]
+    row_specs = [
+        jax.ShapeDtypeStruct(shape, np.float32)
+        for s in ([] if histories is None else histories.shapes)
+        for shape in (s, inbox_shape(s))
+    ]
     traced = jax.make_jaxpr(interpret)(*specs, *row_specs)
     if cached:
         TRACES.put(key, held, traced)
