@@ -68,7 +68,7 @@ def test_history_rows_are_operand_and_gradient_amaxes_newest_first():
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
-    assert history.measured == (True, True)
+    assert history.measured == ((True, True, True), (True, True, True))
     assert len(history.amax) == 2 and all(h.shape == (3, H) for h in history.amax)
     first = history.amax[0]
     assert np.all(first[0] == _bound(_amax_bf16(x))) and np.all(first[1] == _bound(_amax_bf16(params["w1"])))
@@ -168,7 +168,7 @@ def test_refuses_what_does_not_fit():
     with pytest.raises(TypeError, match="Fp8History"):
         delayed(history.amax, params, x)
     with pytest.raises(ValueError, match="has 1 histories but the program has more"):
-        delayed(autocast.Fp8History(history.amax[:1], history.inbox[:1], (True,)), params, x)
+        delayed(autocast.Fp8History(history.amax[:1], history.inbox[:1], history.measured[:1]), params, x)
     with pytest.raises(ValueError, match=r"expected \(3, 4\)"):
         delayed(dataclasses.replace(history, amax=tuple(h[:, :2] for h in history.amax)), params, x)
     with pytest.raises(TypeError, match="gradient with respect to this history"):
@@ -367,7 +367,7 @@ def test_a_product_no_gradient_reaches_keeps_current_scaling():
 
     delayed = autocast.amp_fp8_delayed(f, history=H)
     history = delayed.init(params, x)
-    assert history.measured == (False, True)
+    assert history.measured == ((False, False, False), (True, True, True))
     current = autocast.amp(f, compute_dtype="fp8")
     reference = f(params, x)
     for _ in range(3):
@@ -376,22 +376,60 @@ def test_a_product_no_gradient_reaches_keeps_current_scaling():
     assert abs(float(value) - float(current(params, x))) < 0.05 * float(reference)
 
 
-def test_a_product_only_an_aux_output_uses_keeps_its_history():
-    # with has_aux, no gradient reaches the product behind the aux output: its history is
-    # kept as init measured it, and its values stay right
+def test_with_has_aux_a_product_only_the_aux_uses_keeps_current_scaling():
+    # its backward pass never runs in training, so no history of it could follow its range
     params, x = _mlp_args()
 
     def f(p, x):
         return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2), jnp.sum(x @ p["w2"][:16])
 
-    delayed = autocast.amp_fp8_delayed(f, history=H)
+    delayed = autocast.amp_fp8_delayed(f, history=H, has_aux=True)
     history = delayed.init(params, x)
-    start = history
-    for _ in range(3):
-        (value, aux), (g_history, _) = jax.value_and_grad(delayed, argnums=(0, 1), has_aux=True)(history, params, x)
+    assert history.measured == ((True, True, True), (True, True, True), (False, False, False))
+    for scale in (1.0, 30.0, 30.0):
+        (value, aux), (g_history, _) = jax.value_and_grad(delayed, argnums=(0, 1), has_aux=True)(
+            history, params, x * scale
+        )
         history = history.advance(g_history)
-    np.testing.assert_array_equal(history.amax[2], start.amax[2])
-    want = f(params, x)[1]
-    assert abs(float(aux) - float(want)) < 0.05 * abs(float(want))
+    # the aux's product in current scaling: what amp(compute_dtype="fp8") gives it
+    want = autocast.amp(f, compute_dtype="fp8")(params, x * 30.0)[1]
+    assert abs(float(aux) - float(want)) < 0.01 * abs(float(want))
+
+
+def test_all_zero_tensors_leave_the_history_alone():
+    # a masked batch (zero gradients) pushes nothing: the next step keeps its scales
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=1)
+    history = delayed.init(params, x)
+    _, after_zeros, _ = _step(delayed, history, params, jnp.zeros_like(x))
+    np.testing.assert_array_equal(after_zeros.amax[0][0], history.amax[0][0])
+    np.testing.assert_array_equal(after_zeros.amax[1][2], history.amax[1][2])
+    current = jax.grad(autocast.amp(_mlp, compute_dtype="fp8"))(params, x)
+    _, _, grads = _step(delayed, after_zeros, params, x)
+    assert _measure.relative_error(grads, current) < 0.15
+
+
+def test_a_zero_initialised_layer_keeps_current_scaling():
+    params, x = _mlp_args()
+    zero = {**params, "w2": jnp.zeros_like(params["w2"])}
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    history = delayed.init(zero, x)
+    # the zero weights' row, and the gradient rows they zero, keep current scaling
+    assert history.measured == ((True, True, False), (True, False, False))
+    trained = {**params, "w2": params["w2"] * 1e-3}
+    want = float(_mlp(trained, x))
+    assert abs(float(delayed(history, trained, x)) - want) < 0.1 * want
+
+
+def test_init_refuses_tracers_and_advance_a_gradient_of_another_shape():
+    params, x = _mlp_args()
+    delayed = autocast.amp_fp8_delayed(_mlp, history=H)
+    with pytest.raises(TypeError, match="concrete arguments"):
+        jax.jit(delayed.init)(params, x)
+    history = delayed.init(params, x)
+    per_example = jax.vmap(jax.grad(delayed), in_axes=(None, None, 0))(history, params, x[:, None])
+    with pytest.raises(TypeError, match="summed first"):
+        history.advance(per_example)
+
 
 # Under shard_map (every device takes the largest amax of any): tests/multidevice_check.py.

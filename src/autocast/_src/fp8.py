@@ -266,19 +266,23 @@ _cached_product = functools.lru_cache(maxsize=1024)(_product)
 # that stays right when gradients are *summed* (a history used by several calls, under vmap,
 # over microbatches, or across the devices of a shard_map): each amax as a one-hot over the
 # power of two at or above it, so a sum of them still shows the largest; and a count of the
-# backward passes that wrote (its last column). Bin 0 holds a zero amax; bin
-# ``e + _BIN_OFFSET`` an amax in (2**(e-1), 2**e], for e from -149 to 128.
+# backward passes that wrote (its last column). Bin ``e + _BIN_OFFSET`` holds an amax in
+# (2**(e-1), 2**e], for e from -149 to 128 (bin 0, a zero, is never written; an amax of
+# 2**127 or more is bounded by 2**127, so saturates by up to a factor 2).
 _BIN_OFFSET = 150
 BINS = 279
 INBOX = BINS + 1
 
 
 def amax_bins(value: Any) -> Any:
-    """The inbox row of one amax: its bin (none for an inf or NaN) and one use."""
+    """The inbox row of one amax: its bin, and one use. An inf or NaN has no bin, and nor
+    has a zero: an all-zero tensor (a masked batch) says nothing of the next one's range, so
+    its history keeps the amaxes it had, as Transformer Engine keeps its scale."""
     mantissa, e = jnp.frexp(value)
     e = e - (mantissa == 0.5).astype(e.dtype)  # a power of two is its own bound
     k = jnp.where(value > 0, e + _BIN_OFFSET, 0)
-    hot = jax.nn.one_hot(k, BINS, dtype=_F32) * jnp.isfinite(value).astype(_F32)
+    known = jnp.isfinite(value) & (value > 0)
+    hot = jax.nn.one_hot(k, BINS, dtype=_F32) * known.astype(_F32)
     return jnp.concatenate([hot, jnp.ones((1,), _F32)])
 
 
@@ -302,7 +306,13 @@ def _from_history(history: Any, fmt: Any) -> Any:
 
 
 def _delayed_product(
-    prim: Any, frozen: tuple, recipe: Recipe, dtypes: tuple[Any, Any], out_dtype: Any, measuring: bool
+    prim: Any,
+    frozen: tuple,
+    recipe: Recipe,
+    dtypes: tuple[Any, Any],
+    out_dtype: Any,
+    measuring: bool,
+    delayed_rows: tuple[bool, bool, bool] = (True, True, True),
 ) -> Callable[[Any, Any, Any, Any], Any]:
     """The float8 product with *delayed* scaling: each operand, and the output gradient, is
     quantised with the scale its amax history gives (rows 0, 1 and 2 of ``history``, shape
@@ -311,15 +321,17 @@ def _delayed_product(
     beside the quantisation, not before it) and come back as the gradient with respect to
     ``inbox`` (see :func:`amax_bins`), from which :meth:`Fp8History.advance` makes the next
     history. Measuring (``measuring=True``, for a first history) scales from this step's amax
-    instead."""
+    instead, and so does a row ``delayed_rows`` leaves out (one ``init`` could not measure)."""
     params = _widened(dict(frozen))
     wide = _frozen(params)
 
-    def scale(x: Any, row: Any, fmt: Any) -> Any:
-        return _scale(x, float(jnp.finfo(fmt).max)) if measuring else _from_history(row, fmt)
+    def scale(x: Any, history: Any, i: int, fmt: Any) -> Any:
+        if measuring or not delayed_rows[i]:
+            return _scale(x, float(jnp.finfo(fmt).max))
+        return _from_history(history[i], fmt)
 
     def forward(a: Any, b: Any, history: Any, inbox: Any) -> tuple[Any, Any]:
-        sa, sb = scale(a, history[0], recipe.forward), scale(b, history[1], recipe.forward)
+        sa, sb = scale(a, history, 0, recipe.forward), scale(b, history, 1, recipe.forward)
         qa, qb = quantise_with(a, recipe.forward, sa), quantise_with(b, recipe.forward, sb)
         out = prim.bind(qa, qb, **params) * sa * sb
         return out.astype(out_dtype), (qa, sa, qb, sb, history, inbox, amax(a), amax(b))
@@ -327,7 +339,7 @@ def _delayed_product(
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any, Any, Any]:
         *kept, inbox, amax_a, amax_b = residuals  # these only feed the inbox
         (qa, sa, qb, sb, history), g = _first_derivative_only((tuple(kept), g))
-        sg = scale(g, history[2], recipe.gradient)
+        sg = scale(g, history, 2, recipe.gradient)
         qg = quantise_with(g, recipe.gradient, sg)
         a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
         to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
@@ -390,9 +402,10 @@ def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict, Any], Any]:
         # autocast._src.fp8_history); current scaling elsewhere.
         slots = ctx.fp8_history if recipe.history else None
         taken = None if slots is None else slots.take((3, recipe.history))
-        if taken is None or not taken.measured:
+        if taken is None or not any(taken.measured):
             return _memo(_cached_product, _product, *key)(a, b)
-        delayed = _memo(_cached_delayed_product, _delayed_product, *key, slots.measuring)
+        rows = tuple(taken.measured)
+        delayed = _memo(_cached_delayed_product, _delayed_product, *key, slots.measuring, rows)
         return delayed(a, b, taken.history, taken.inbox)
 
     return bind

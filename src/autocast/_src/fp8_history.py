@@ -46,8 +46,8 @@ class Fp8History:
     body has one per iteration, ``(length, 3, history)``. ``inbox`` holds zeros of shape
     ``(3, 280)`` per product (stacked alike): the gradient with respect to it is what the
     step measured, which :meth:`advance` turns into the next history. ``measured`` (static)
-    flags the products ``init`` could measure; one that no gradient reaches keeps current
-    scaling. Make one with ``init``.
+    flags, per product, the rows ``init`` could measure (an amax above zero reached them); a
+    row it could not keeps current scaling. Make one with ``init``.
 
     Example:
         >>> import autocast, jax, jax.numpy as jnp
@@ -63,7 +63,7 @@ class Fp8History:
 
     amax: tuple[Any, ...]
     inbox: tuple[Any, ...]
-    measured: tuple[bool, ...]
+    measured: tuple[tuple[bool, bool, bool], ...]
 
     def advance(self, grad: Fp8History) -> Fp8History:
         """The next history: each product's newest amaxes, from ``grad`` (the gradient of the
@@ -89,6 +89,13 @@ class Fp8History:
                 "Fp8History.advance takes the gradient with respect to this history (an "
                 f"Fp8History with {len(self.inbox)} products), got {type(grad).__name__}"
             )
+        for i, (mine, theirs) in enumerate(zip(self.inbox, grad.inbox)):
+            if np.shape(mine) != np.shape(theirs):
+                raise TypeError(
+                    f"Fp8History.advance: product {i}'s gradient has shape {np.shape(theirs)}, "
+                    f"the history's inbox {np.shape(mine)}: give the gradient of one step "
+                    "(per-example gradients from vmap must be summed first)"
+                )
         return dataclasses.replace(self, amax=tuple(_pushed(h, g) for h, g in zip(self.amax, grad.inbox)))
 
 
@@ -121,10 +128,11 @@ class DelayedFp8:
         (True, 8, (3, 8))
     """
 
-    def __init__(self, fn: Callable[..., Any], history: int, amp_policy: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], history: int, amp_policy: Any, has_aux: bool = False) -> None:
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValueError(f"amp_fp8_delayed: history must be an int >= 1, got {history!r}")
         self.history = history
+        self.has_aux = bool(has_aux)
         recipe = dataclasses.replace(fp8.DEFAULT_RECIPE, history=history)
         self._amp = _amp._Amp(fn, None, amp_policy, delayed=recipe)
         functools.update_wrapper(self, fn, updated=())
@@ -167,11 +175,24 @@ class DelayedFp8:
     def init(self, *args: Any, **kwargs: Any) -> Fp8History:
         """The first :class:`Fp8History` for calls with arguments shaped like these: every
         history filled with what one step measures on them (a forward pass, and a backward
-        pass from ones on every floating output). A product that no gradient reaches there
-        (under ``stop_gradient``, or feeding only integer outputs) cannot be measured and
-        keeps current scaling; called under ``jax.jit``, where that cannot be told, every
-        product counts as measured."""
+        pass from ones on every floating output). A row it cannot measure keeps current
+        scaling: every row of a product no gradient reaches (under ``stop_gradient``, or
+        feeding only integer outputs), and a row whose tensor is all zeros there (a
+        zero-initialised layer's weights, and the gradients that meet them), as its history
+        would say nothing of the range to come. With ``has_aux``, only the first output is
+        differentiated, as ``jax.grad`` will.
+
+        Raises:
+            TypeError: Under ``jax.jit`` or another transformation: what is measured decides
+                the history's static structure, so it needs concrete arguments (``init``
+                compiles its own step).
+        """
         traced, dyn = self._amp._traced_call(args, kwargs)
+        if any(isinstance(x, jax.core.Tracer) for x in dyn):
+            raise TypeError(
+                "amp_fp8_delayed: init needs concrete arguments, not tracers (call it outside "
+                "jax.jit; it compiles its own step)"
+            )
         counted: list[Slots] = []
 
         def count(*dyn: Any) -> list:
@@ -188,26 +209,29 @@ class DelayedFp8:
         def measure(*dyn: Any) -> tuple:
             histories = [jnp.zeros(s, jnp.float32) for s in shapes]
             inboxes = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
-            run = lambda inboxes: self._evaluate(traced, list(zip(histories, inboxes)), True, dyn)[0]  # noqa: E731
+            def run(inboxes: tuple) -> list:
+                outs = self._evaluate(traced, list(zip(histories, inboxes)), True, dyn)[0]
+                # with an aux, only the loss (the first output) is differentiated, so no
+                # backward pass runs for a product that feeds the aux alone
+                return outs[:1] if self.has_aux else outs
+
             outs, pullback = jax.vjp(run, inboxes)
             (got,) = pullback([_cotangent(x) for x in outs])
-            filled = [
-                jnp.broadcast_to(fp8.bins_bound(g[..., : fp8.BINS])[0][..., None], s)
-                for g, s in zip(got, shapes)
-            ]
-            uses = [jnp.all(g[..., fp8.BINS] > 0) for g in got]
-            return tuple(filled), tuple(uses)
+            bounds = [fp8.bins_bound(g[..., : fp8.BINS]) for g in got]
+            filled = [jnp.broadcast_to(b[..., None], s) for (b, _), s in zip(bounds, shapes)]
+            # a row is measured where it found an amax, in every iteration of a scan
+            held = [jnp.all(h.reshape(-1, 3), axis=0) for _, h in bounds]
+            return tuple(filled), tuple(held)
 
-        filled, uses = measure(*dyn)
-        if any(isinstance(u, jax.core.Tracer) for u in uses):
-            measured = (True,) * len(uses)
-        else:
-            measured = tuple(bool(u) for u in uses)
+        filled, held = measure(*dyn)
+        measured = tuple(tuple(bool(r) for r in rows) for rows in held)
         zeros = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
         return Fp8History(tuple(filled), zeros, measured)
 
 
-def amp_fp8_delayed(fn: Callable[..., Any], *, history: int = 16, amp_policy: Any = None) -> DelayedFp8:
+def amp_fp8_delayed(
+    fn: Callable[..., Any], *, history: int = 16, amp_policy: Any = None, has_aux: bool = False
+) -> DelayedFp8:
     """``amp(fn, compute_dtype="fp8")`` with *delayed* scaling: each float8 operand and output
     gradient is scaled by the largest amax of the last ``history`` steps, not by its own.
 
@@ -228,6 +252,9 @@ def amp_fp8_delayed(fn: Callable[..., Any], *, history: int = 16, amp_policy: An
         history: How many past steps' amaxes decide a scale (Transformer Engine's default is
             1024 with the largest taken; 16 follows a changing scale faster).
         amp_policy: A policy, as for :func:`autocast.amp`.
+        has_aux: Whether ``fn`` returns ``(loss, aux)`` and the step differentiates the loss
+            only (``jax.grad(..., has_aux=True)``): ``init`` then measures what the loss's
+            gradient reaches, and products that only feed ``aux`` keep current scaling.
 
     Returns:
         A :class:`DelayedFp8`: ``f(history, *args, **kwargs)`` returns what ``fn`` returns, and
@@ -249,4 +276,4 @@ def amp_fp8_delayed(fn: Callable[..., Any], *, history: int = 16, amp_policy: An
         >>> g_w.dtype, h.amax[0].shape
         (dtype('float32'), (3, 4))
     """
-    return DelayedFp8(fn, history, amp_policy)
+    return DelayedFp8(fn, history, amp_policy, has_aux)

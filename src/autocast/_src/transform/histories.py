@@ -21,12 +21,13 @@ from autocast._src.fp8 import INBOX
 
 
 class Taken(NamedTuple):
-    """One product's slot: its history ``(3, n)``, its inbox ``(3, INBOX)``, and whether it
-    was measured (a product no gradient ever reached keeps current scaling)."""
+    """One product's slot: its history ``(3, n)``, its inbox ``(3, INBOX)``, and which of
+    its rows (left operand, right operand, output gradient) were measured; a row that was not
+    keeps current scaling."""
 
     history: Any
     inbox: Any
-    measured: bool
+    measured: tuple[bool, bool, bool]
 
 
 def inbox_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -39,7 +40,7 @@ class Slots:
 
     ``rows`` (pairs of history and inbox) None counts instead: every product then keeps
     current scaling, and ``shapes`` records the history shape each would have taken.
-    ``measured`` flags each slot (all measured when None). ``measuring``: the products scale
+    ``measured`` flags each slot's rows (all measured when None). ``measuring``: the products scale
     from this step's amax (to make a first history).
     """
 
@@ -47,7 +48,7 @@ class Slots:
         self,
         rows: Sequence[tuple[Any, Any]] | None = None,
         measuring: bool = False,
-        measured: Sequence[bool] | None = None,
+        measured: Sequence[tuple[bool, bool, bool]] | None = None,
     ) -> None:
         self.rows = rows
         self.measuring = measuring
@@ -80,7 +81,7 @@ class Slots:
                 f"amp_fp8_delayed: history {i} has shape {tuple(np.shape(history))}, expected "
                 f"{shape}; make the Fp8History with this function's init"
             )
-        return Taken(history, inbox, True if self.measured is None else self.measured[i])
+        return Taken(history, inbox, (True, True, True) if self.measured is None else self.measured[i])
 
     def check_all_taken(self) -> None:
         if self.rows is not None and self.taken != len(self.rows):
