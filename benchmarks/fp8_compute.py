@@ -121,13 +121,9 @@ def main() -> dict[str, dict]:
                 "q_passes": _measure.float8_casts(step_jaxpr),
                 "serial": _measure.serial_quantisations(step_jaxpr),
             }
-            if name == "GPT small" and variant in ("amp bf16", "amp fp8"):
-                rows[variant]["trained"] = _training.final_loss(fn, args[0], _gpt_tokens, TRAIN_STEPS, last=10)
-        if name == "GPT small":
-            gpt_delayed = autocast.amp_fp8_delayed(loss_fn, history=HISTORY)
-            rows["fp8 delay"]["trained"] = _training.final_loss_delayed(
-                gpt_delayed, args[0], _gpt_tokens, TRAIN_STEPS, last=10
-            )
+            if name == "GPT small" and variant != "fp8 all":
+                trained = delayed if variant == "fp8 delay" else fn  # the history carried along
+                rows[variant]["trained"] = _training.final_loss(trained, args[0], _gpt_tokens, TRAIN_STEPS, last=10)
         for variant, r in rows.items():
             trained = (
                 f"{r['trained']:8.4f} {r['trained'] / rows['amp bf16']['trained'] - 1:+7.2%}"

@@ -79,8 +79,10 @@ def runs(
 # ---- one run, in its own process -------------------------------------------------------------
 
 def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any, float]:
-    """The jitted AdamW step ``(params, opt_state, i) -> (params, opt_state, loss)``, the
-    initial state, and the model FLOPs of one step."""
+    """The jitted AdamW step ``((history, params), opt_state, i) -> (same, loss)`` (the
+    history None but for ``amp fp8 delay``), the initial state, and the model FLOPs of one
+    step."""
+    import _training
     import gpu_models
     import jax
     import jax.numpy as jnp
@@ -100,42 +102,20 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
     n = gpu_models.gpt2_params_count(params)
     flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
     if variant == "amp fp8 delay":
-        step, state = _delayed_gpt_step(loss, params, optimizer, config)
-        return step, state, float(flops)
-    if variant.startswith("amp"):
+        loss = autocast.amp_fp8_delayed(loss, history=16)
+    elif variant.startswith("amp"):
         loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
-        value, grads = jax.value_and_grad(loss)(params, gpu_models.gpt2_batch(i, **config))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    return step, (params, optimizer.init(params)), float(flops)
-
-
-def _delayed_gpt_step(loss: Callable, params: Any, optimizer: Any, config: dict) -> tuple[Callable, Any]:
-    """:func:`_gpt_step`'s step under ``autocast.amp_fp8_delayed``: its state is
-    ``(history, params)``, the history advanced each step by its gradient."""
-    import gpu_models
-    import jax
-    import optax
-
-    import autocast
-
-    loss8 = autocast.amp_fp8_delayed(loss, history=16)
-    history = loss8.init(params, gpu_models.gpt2_batch(jax.numpy.asarray(0), **config))
+    # the state is (float8 history or None, parameters)
+    history = _training.first_history(loss, params, gpu_models.gpt2_batch(jnp.asarray(0), **config))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(state: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
         history, params = state
-        value, (g_history, grads) = jax.value_and_grad(loss8, argnums=(0, 1))(
-            history, params, gpu_models.gpt2_batch(i, **config)
-        )
+        value, history, grads = _training.loss_and_grads(loss, history, params, gpu_models.gpt2_batch(i, **config))
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (history.advance(g_history), optax.apply_updates(params, updates)), opt_state, value
+        return (history, optax.apply_updates(params, updates)), opt_state, value
 
-    return step, ((history, params), optimizer.init(params))
+    return step, ((history, params), optimizer.init(params)), float(flops)
 
 
 def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:

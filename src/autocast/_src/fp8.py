@@ -118,8 +118,7 @@ def _scale(x: Any, top: float) -> Any:
     zeros into NaN). An empty tensor's amax is 0. A non-finite amax gives a non-finite scale
     on purpose: an overflow in the step must reach the loss scaler's check, not be clipped
     into range."""
-    amax = jnp.max(jnp.abs(x), initial=0).astype(_F32)
-    return jnp.maximum(amax / top, _TINY)
+    return jnp.maximum(amax(x) / top, _TINY)
 
 
 def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
@@ -229,6 +228,22 @@ def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any) -> Any:
     return out
 
 
+def _operand_gradients(
+    prim: Any, wide: tuple, recipe: Recipe, dtypes: tuple[Any, Any], kept: tuple, gradient: tuple
+) -> tuple[Any, Any]:
+    """The backward products of a scaled float8 product: the quantised output gradient
+    ``gradient = (qg, sg)`` against the float8 operands the forward pass kept,
+    ``kept = (qa, sa, qb, sb)``, through JAX's own transposition of the product; rescaled and
+    returned in the operands' dtypes ``dtypes``."""
+    (qa, sa, qb, sb), (qg, sg) = kept, gradient
+    a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
+    to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
+    to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
+    da = _evaluate(to_a, [qg, qb], recipe.gradient) * sg * sb
+    db = _evaluate(to_b, [qa, qg], recipe.gradient) * sa * sg
+    return da.astype(dtypes[0]), db.astype(dtypes[1])
+
+
 def _product(
     prim: Any, frozen: tuple, recipe: Recipe, dtypes: tuple[Any, Any], out_dtype: Any
 ) -> Callable[[Any, Any], Any]:
@@ -247,12 +262,7 @@ def _product(
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
         (qa, sa, qb, sb), g = _first_derivative_only((residuals, g))
         qg, sg = quantise(g, recipe.gradient)
-        a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
-        to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
-        to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
-        da = _evaluate(to_a, [qg, qb], recipe.gradient) * sg * sb
-        db = _evaluate(to_b, [qa, qg], recipe.gradient) * sa * sg
-        return da.astype(dtypes[0]), db.astype(dtypes[1])
+        return _operand_gradients(prim, wide, recipe, dtypes, (qa, sa, qb, sb), (qg, sg))
 
     product = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     product.defvjp(forward, backward)
@@ -341,16 +351,12 @@ def _delayed_product(
         (qa, sa, qb, sb, history), g = _first_derivative_only((tuple(kept), g))
         sg = scale(g, history, 2, recipe.gradient)
         qg = quantise_with(g, recipe.gradient, sg)
-        a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
-        to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
-        to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
-        da = _evaluate(to_a, [qg, qb], recipe.gradient) * sg * sb
-        db = _evaluate(to_b, [qa, qg], recipe.gradient) * sa * sg
+        da, db = _operand_gradients(prim, wide, recipe, dtypes, (qa, sa, qb, sb), (qg, sg))
         measured = jnp.stack([amax_bins(v) for v in (amax_a, amax_b, amax(g))])
         # under shard_map, a replicated inbox's gradient must be replicated too: the sum over
         # devices, whose bins show the largest amax of any
         measured = _compat.invariant_like(measured, inbox)
-        return da.astype(dtypes[0]), db.astype(dtypes[1]), jnp.zeros_like(history), measured
+        return da, db, jnp.zeros_like(history), measured
 
     product = jax.custom_vjp(lambda a, b, history, inbox: forward(a, b, history, inbox)[0])
     product.defvjp(forward, backward)

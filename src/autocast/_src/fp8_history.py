@@ -138,12 +138,12 @@ class DelayedFp8:
         functools.update_wrapper(self, fn, updated=())
 
     def _evaluate(
-        self, traced: Any, rows: Sequence[Any] | None, measuring: bool, dyn: Sequence[Any],
-        measured: Sequence[bool] | None = None,
+        self, traced: Any, ctx: Any, rows: Sequence[Any] | None, measuring: bool, dyn: Sequence[Any],
+        measured: Sequence[tuple[bool, bool, bool]] | None = None,
     ) -> tuple[list, Slots]:
+        """``traced`` evaluated under ``ctx`` with these histories handed to its products."""
         slots = Slots(rows, measuring, measured)
-        ctx = dataclasses.replace(self._amp._context(), fp8_history=slots)
-        outs = traced.evaluate(ctx)(*dyn)
+        outs = traced.evaluate(dataclasses.replace(ctx, fp8_history=slots))(*dyn)
         slots.check_all_taken()
         return outs, slots
 
@@ -158,19 +158,20 @@ class DelayedFp8:
                 f"amp_fp8_delayed: the first argument must be an Fp8History (from init), got "
                 f"{type(state).__name__}"
             )
-        traced, dyn = self._amp._traced_call(args, kwargs)
+        ctx = self._amp._context()
+        traced, dyn = self._amp._traced_call(args, kwargs, ctx)
         rows = list(zip(state.amax, state.inbox))
         arrays = (*state.amax, *state.inbox, *dyn)
         if not any(isinstance(x, jax.core.Tracer) for x in arrays):
             # concrete values: one compiled program, as amp itself runs them
-            key = ("fp8_history", self._amp._context().scopes, state.measured)
+            key = ("fp8_history", ctx.scopes, state.measured)
             compiled = traced.compiled.get(key)
             if compiled is None:
                 compiled = traced.compiled[key] = jax.jit(
-                    lambda rows, *dyn: self._evaluate(traced, rows, False, dyn, state.measured)[0]
+                    lambda rows, *dyn: self._evaluate(traced, ctx, rows, False, dyn, state.measured)[0]
                 )
             return traced.rebuild(compiled(rows, *dyn))
-        return traced.rebuild(self._evaluate(traced, rows, False, dyn, state.measured)[0])
+        return traced.rebuild(self._evaluate(traced, ctx, rows, False, dyn, state.measured)[0])
 
     def init(self, *args: Any, **kwargs: Any) -> Fp8History:
         """The first :class:`Fp8History` for calls with arguments shaped like these: every
@@ -187,7 +188,8 @@ class DelayedFp8:
                 the history's static structure, so it needs concrete arguments (``init``
                 compiles its own step).
         """
-        traced, dyn = self._amp._traced_call(args, kwargs)
+        ctx = self._amp._context()
+        traced, dyn = self._amp._traced_call(args, kwargs, ctx)
         if any(isinstance(x, jax.core.Tracer) for x in dyn):
             raise TypeError(
                 "amp_fp8_delayed: init needs concrete arguments, not tracers (call it outside "
@@ -196,7 +198,7 @@ class DelayedFp8:
         counted: list[Slots] = []
 
         def count(*dyn: Any) -> list:
-            outs, slots = self._evaluate(traced, None, False, dyn)
+            outs, slots = self._evaluate(traced, ctx, None, False, dyn)
             counted.append(slots)
             return outs
 
@@ -210,7 +212,7 @@ class DelayedFp8:
             histories = [jnp.zeros(s, jnp.float32) for s in shapes]
             inboxes = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
             def run(inboxes: tuple) -> list:
-                outs = self._evaluate(traced, list(zip(histories, inboxes)), True, dyn)[0]
+                outs = self._evaluate(traced, ctx, list(zip(histories, inboxes)), True, dyn)[0]
                 # with an aux, only the loss (the first output) is differentiated, so no
                 # backward pass runs for a product that feeds the aux alone
                 return outs[:1] if self.has_aux else outs

@@ -227,7 +227,8 @@ def diagnose(
     amp_fn = _amp(fn, compute_dtype=compute_dtype, amp_policy=amp_policy)
 
     def run(*args: Any, **kwargs: Any) -> Diagnosis:
-        traced, values = amp_fn._traced_call(args, kwargs)
+        base = amp_fn._context()
+        traced, values = amp_fn._traced_call(args, kwargs, base)
         sites: list[paired.Site] = []
 
         def observe(eqn: Any, rule: Any, invars: Any, outs: Any, ctx: Any) -> Any:
@@ -241,9 +242,7 @@ def diagnose(
             marked = [paired.mark(x, site, i) if f else x for i, (x, f) in enumerate(zip(outs, floating))]
             return marked if many else marked[0]
 
-        ctx = dataclasses.replace(
-            amp_fn._context(), observer=observe, path=_compat.current_scope_names()
-        )
+        ctx = dataclasses.replace(base, observer=observe, path=_compat.current_scope_names())
         program = jax.make_jaxpr(traced.evaluate(ctx))(*values)
         recorder = paired.Recorder(provenance.before_sites(program.jaxpr))
         p = paired.Pass(sites, recorder)

@@ -206,8 +206,9 @@ def report(
 
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
-        traced = amp_fn._trace(in_tree, leaves, dynamic)
-        ctx = dataclasses.replace(amp_fn._context(), observer=observe)
+        base = amp_fn._context()
+        traced = amp_fn._trace(in_tree, leaves, dynamic, base)
+        ctx = dataclasses.replace(base, observer=observe)
         amp_jaxpr = jax.make_jaxpr(traced.evaluate(ctx))(*[leaves[i] for i in dynamic])
         original = traced.jaxpr
 

@@ -188,7 +188,9 @@ class _Amp:
                 return not is_compute_rule(self._policy[name])
         return False
 
-    def _trace(self, in_tree: Any, leaves: list, dynamic: list[int]) -> _Traced:
+    def _trace(self, in_tree: Any, leaves: list, dynamic: list[int], ctx: Context) -> _Traced:
+        """The trace for these leaves (those at ``dynamic`` traced) under ``ctx``, this
+        function's :meth:`_context` for the call."""
         specs = [_compat.aval_of(leaves[i]) for i in dynamic]
         dyn = set(dynamic)
         # keyed by type as well as value: 1, 1.0 and True are equal but trace differently
@@ -197,7 +199,6 @@ class _Amp:
             for i in range(len(leaves))
             if i not in dyn
         )
-        ctx = self._context()
         # the caller's scopes decide, with the compute dtype, what entry points trace in
         key = (in_tree, tuple(specs), statics, ctx.scopes)
         try:
@@ -233,8 +234,8 @@ class _Amp:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _outer_amp_tracing():
             return self._fn(*args, **kwargs)
-        traced, args_in = self._traced_call(args, kwargs)
         ctx = self._context()
+        traced, args_in = self._traced_call(args, kwargs, ctx)
         if any(isinstance(x, jax.core.Tracer) for x in args_in):
             outs = traced.evaluate(ctx)(*args_in)
         else:
@@ -247,11 +248,12 @@ class _Amp:
             outs = compiled(*args_in)
         return traced.rebuild(outs)
 
-    def _traced_call(self, args: tuple, kwargs: dict) -> tuple[_Traced, list[Any]]:
-        """The trace for these arguments, and the values its jaxpr takes: the array leaves."""
+    def _traced_call(self, args: tuple, kwargs: dict, ctx: Context) -> tuple[_Traced, list[Any]]:
+        """The trace for these arguments under ``ctx`` (:meth:`_context`), and the values its
+        jaxpr takes: the array leaves."""
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-        traced = self._trace(in_tree, leaves, dynamic)
+        traced = self._trace(in_tree, leaves, dynamic, ctx)
         return traced, [leaves[i] for i in dynamic]
 
 

@@ -22,7 +22,6 @@ from autocast import _compat
 from autocast._src.policy.casting import cast_value, castable
 from autocast._src.transform import interpreter
 from autocast._src.transform.closures import instantiate, traced_call
-from autocast._src.transform.histories import Slots
 from autocast._src.transform.interpreter import SPREAD, STRONG, Context, eval_jaxpr
 from autocast._src.transform.retrace import (
     TRACES,
@@ -104,17 +103,9 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
     ]
     inner = ctx.enter(eqn)
     plan = dict(specs=[spec_of(x) for x in invals], kinds=kinds, literals=literals_of(invals))
-    rows: list = []
-    counted = None
-    if ctx.fp8_history is not None:
-        # a checkpointed layer's float8 products take their histories as inputs of the checkpoint
-        counted = _counted_histories(
-            ctx, lambda slots: retrace(jaxpr, (), ctx=dataclasses.replace(inner, fp8_history=slots), **plan)
-        )
-        rows = None if counted is None else _take_for(ctx, counted, tuple)
-        if rows is None:
-            counted, rows = None, []
-    traced = retrace(jaxpr, (), ctx=inner, histories=counted, **plan)
+    # a checkpointed layer's float8 products take their histories as inputs of the checkpoint
+    with_histories = _retrace_with_histories(ctx, inner, jaxpr, (), plan, tuple)
+    traced, rows = with_histories or (retrace(jaxpr, (), ctx=inner, **plan), [])
     open_jaxpr, consts = _compat.open_jaxpr(traced)
     return _compat.bind_equation(eqn, [*consts, *invals, *rows], {**eqn.params, "jaxpr": open_jaxpr})
 
@@ -206,23 +197,28 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     return _compat.bind_equation(eqn, invals, {**p, "jaxpr": traced})
 
 
-def _take_for(ctx: Context, counted: Slots, outer_shape: Callable[[tuple], tuple]) -> list | None:
-    """The arrays (history, inbox, ...) of the slots ``counted`` found in a body, taken from
-    ``ctx``'s slots in the shapes ``outer_shape`` gives them there; ``counted`` learns which
-    were measured. None while counting."""
+def _retrace_with_histories(
+    ctx: Context, inner: Context, jaxpr: Any, consts: Sequence[Any], plan: dict[str, Any],
+    outer_shape: Callable[[tuple], tuple],
+) -> tuple[Any, list] | None:
+    """A body re-traced (``retrace(jaxpr, consts, **plan)`` under ``inner``) to take float8
+    histories from ``ctx``'s slots as extra inputs, and the arrays to pass there (history,
+    inbox, ... per product, in the shapes ``outer_shape`` gives them outside the body). None
+    when ``ctx`` threads no histories, the body takes none, or ``ctx`` is only counting them
+    (their shapes are then recorded). The body is traced once with a counting
+    :class:`~autocast._src.transform.histories.Slots` to learn what it takes."""
+    if ctx.fp8_history is None:
+        return None
+    counted = ctx.fp8_history.counter()
+    retrace(jaxpr, consts, ctx=dataclasses.replace(inner, fp8_history=counted), **plan)
+    if not counted.taken:
+        return None
     taken = [ctx.fp8_history.take(outer_shape(shape)) for shape in counted.shapes]
     if any(t is None for t in taken):
         return None
     counted.measured = [t.measured for t in taken]
-    return [x for t in taken for x in (t.history, t.inbox)]
-
-
-def _counted_histories(ctx: Context, trace: Callable[..., Any]) -> Slots | None:
-    """What a body takes of ``ctx``'s float8 histories, counted by tracing it once
-    (``trace(ctx)``) with a counting :class:`Slots`; None if it takes none."""
-    counter = ctx.fp8_history.counter()
-    trace(counter)
-    return counter if counter.taken else None
+    traced = retrace(jaxpr, consts, ctx=inner, histories=counted, **plan)
+    return traced, [x for t in taken for x in (t.history, t.inbox)]
 
 
 def _scan_with_histories(
@@ -237,17 +233,13 @@ def _scan_with_histories(
     n_consts, n_carry = _compat.scan_layout(eqn)
     inner = ctx.enter(eqn)
     invals, plan = _loop_plan(body, invals, kinds, n_consts, n_carry, inner, spec)
-    trace = lambda slots, **kw: retrace(  # noqa: E731
-        body.jaxpr, body.consts, ctx=dataclasses.replace(inner, fp8_history=slots), **plan, **kw
-    )
-    counted = _counted_histories(ctx, trace)
-    if counted is None:
-        return None
     length = p["length"]
-    stacked = _take_for(ctx, counted, lambda shape: (length, *shape))
-    if stacked is None:
+    with_histories = _retrace_with_histories(
+        ctx, inner, body.jaxpr, body.consts, plan, lambda shape: (length, *shape)
+    )
+    if with_histories is None:
         return None
-    traced = retrace(body.jaxpr, body.consts, ctx=inner, histories=counted, **plan)
+    traced, stacked = with_histories
     consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
 
     def step(carry: list, sliced: tuple) -> tuple[list, list]:
