@@ -14,15 +14,24 @@ import pytest
 pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "tensor_parallel.py"
+# What XLA's CPU runtime says when it aborts a collective whose device threads did not all
+# arrive in time.
+_STARVED = "threads to join the rendezvous"
 
 
 def test_tensor_parallel_mlp_sums_in_bfloat16_and_tracks_float32(tmp_path):
     out = tmp_path / "tp.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the script asks for its 8 devices itself
-    done = subprocess.run(
+    run = lambda: subprocess.run(  # noqa: E731
         [sys.executable, str(SCRIPT), "--steps", "30", "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=600,
     )
+    done = run()
+    if done.returncode != 0 and _STARVED in done.stderr:
+        # XLA's CPU collectives abort when one of the 8 device threads is not scheduled in
+        # time, which a 2-core machine running other tests beside this one can cause: that
+        # says nothing of amp, so the run is made once more
+        done = run()
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())
     f32, amp = rows["float32"], rows["amp bf16"]
