@@ -56,6 +56,9 @@ TINY: dict[str, dict[str, Any]] = {
     "ResNet-18": dict(kind="resnet", batch=2, size=32, classes=10, width=8),
 }
 GPT_VARIANTS = ("float32", "hand bf16", "amp bf16", "amp fp8", "amp fp8 delay")
+# The float8 variants with their products written in the other form XLA may match to a
+# float8 GEMM (``autocast._src.fp8.GEMM_FORMS``): run only when asked for by name.
+FORM_VARIANTS = {"amp fp8 dq": "dequantised", "amp fp8 delay dq": "dequantised"}
 RESNET_VARIANTS = ("float32", "flax bf16", "amp bf16", "amp fp8")
 TORCH_VARIANTS = ("torch eager", "torch compile")
 ATTENTIONS = ("naive", "fused")
@@ -101,7 +104,11 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
     tokens = config["batch"] * config["seq"]
     n = gpu_models.gpt2_params_count(params)
     flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
-    if variant == "amp fp8 delay":
+    if variant.startswith("amp fp8"):
+        from autocast._src import fp8
+
+        fp8._GEMM_FORM = FORM_VARIANTS.get(variant, "direct")
+    if variant.startswith("amp fp8 delay"):
         loss = autocast.amp_fp8_delayed(loss, history=16)
     elif variant.startswith("amp"):
         loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
@@ -146,7 +153,10 @@ def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
         return {"params": params, "batch_stats": stats}, opt_state, value
 
     # the unoptimised forward program's FLOPs: no compile needed for them
-    cost = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])).lower(variables, images).cost_analysis()
+    forward = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])).lower(variables, images)
+    cost = forward.cost_analysis()
+    if not cost:  # a GPU backend of JAX 0.11 has none before compiling
+        cost = forward.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return step, (variables, optimizer.init(variables["params"])), 3.0 * float(cost["flops"])
 
@@ -247,13 +257,17 @@ def _one(argv: Sequence[str]) -> None:
 
 # ---- the table -------------------------------------------------------------------------------
 
-def _spawn(model: str, variant: str, attention: str, steps: int, tiny: bool) -> dict:
+def _spawn(model: str, variant: str, attention: str, steps: int, tiny: bool, timeout: float | None = None) -> dict:
+    """One run in a process of its own; its figures, or ``{"error": why}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", model, variant, attention, str(steps), str(int(tiny)), str(out)],
-            text=True, capture_output=True, env=os.environ.copy(),
-        )
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", model, variant, attention, str(steps), str(int(tiny)), str(out)],
+                text=True, capture_output=True, env=os.environ.copy(), timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"took longer than {timeout:g} s"}
         if done.returncode:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             return {"error": last[:200]}
@@ -278,6 +292,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--torch", action="store_true", help="add torch.autocast runs (needs PyTorch and CUDA)")
     parser.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
     parser.add_argument("--attention", default=",".join(ATTENTIONS), help="comma-separated: naive, fused")
+    parser.add_argument(
+        "--rows", default="",
+        help="runs in this order, instead of the table: 'MODEL/VARIANT/ATTENTION;...' "
+        f"(variants also {', '.join(FORM_VARIANTS)})",
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds one run may take (default: no limit)")
     parser.add_argument("--json", default=str(HERE / "gpu_step.json"), help="where the figures are written")
     options = parser.parse_args(argv)
     models = [m for m in options.models.split(",") if m]
@@ -287,23 +307,36 @@ def main(argv: Sequence[str] | None = None) -> dict:
     torch = options.torch and (_torch_ready() or options.tiny)
     if options.torch and not torch:
         print("(--torch needs PyTorch and a CUDA device: the torch.autocast runs are left out)")
+    if options.rows:
+        chosen = [_row(text, parser) for text in options.rows.split(";") if text.strip()]
+    else:
+        chosen = runs(models, torch, [v for v in options.variants.split(",") if v], options.attention.split(","))
     results: dict[str, dict] = {}
-    print(f"{'model':16} {'variant':13} {'attention':9} {'step ms':>8} {'TFLOP/s':>8} {'peak MiB':>9} {'loss':>7}")
-    chosen = runs(models, torch, [v for v in options.variants.split(",") if v], options.attention.split(","))
+    print(f"{'model':16} {'variant':16} {'attention':9} {'step ms':>8} {'TFLOP/s':>8} {'peak MiB':>9} {'loss':>7}", flush=True)
     for model, variant, attention in chosen:
-        r = _spawn(model, variant, attention, options.steps, options.tiny)
+        r = _spawn(model, variant, attention, options.steps, options.tiny, options.timeout)
         results.setdefault(model, {})[f"{variant} / {attention}"] = r
+        # written after every run, so that a run cut short keeps what it measured
+        Path(options.json).write_text(json.dumps(results, indent=1))
         if "error" in r:
-            print(f"{model:16} {variant:13} {attention:9} failed: {r['error']}")
+            print(f"{model:16} {variant:16} {attention:9} failed: {r['error']}", flush=True)
             continue
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}" + ("" if r["peak_is_device"] else "*")
         print(
-            f"{model:16} {variant:13} {attention:9} {r['step_ms']:8.1f} {r['tflops']:8.2f} "
-            f"{peak:>9} {r['loss']:7.3f}"
+            f"{model:16} {variant:16} {attention:9} {r['step_ms']:8.1f} {r['tflops']:8.2f} "
+            f"{peak:>9} {r['loss']:7.3f}", flush=True,
         )
     print("(* the compiled program's planned peak: this device reports no peak of its own)")
-    Path(options.json).write_text(json.dumps(results, indent=1))
     return results
+
+
+def _row(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
+    """``MODEL/VARIANT/ATTENTION`` of ``--rows``, checked against the known names."""
+    parts = [p.strip() for p in text.split("/")]
+    kinds = {**{v: "gpt" for v in (*GPT_VARIANTS, *FORM_VARIANTS, *TORCH_VARIANTS)}, **{v: "resnet" for v in RESNET_VARIANTS}}
+    if len(parts) != 3 or parts[0] not in MODELS or parts[1] not in kinds or parts[2] not in (*ATTENTIONS, "-"):
+        parser.error(f"--rows: {text!r} is not MODEL/VARIANT/ATTENTION with known names")
+    return parts[0], parts[1], parts[2]
 
 
 if __name__ == "__main__":
