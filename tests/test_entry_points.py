@@ -96,7 +96,8 @@ def test_amp_stop_float32_compute_and_fp8(monkeypatch):
     jax.make_jaxpr(autocast.amp(stopped, compute_dtype=jnp.bfloat16))(Q, K, V, W)
     jax.make_jaxpr(autocast.amp(block(attention), compute_dtype=jnp.float32))(Q, K, V, W)
     assert seen == []  # both ran as called, in float32
-    jaxpr = jax.make_jaxpr(autocast.amp(block(attention), compute_dtype="fp8"))(Q, K, V, W)
+    wide = jnp.concatenate([W, W], axis=1)  # 16 outputs: narrower products stay bfloat16 under FP8
+    jaxpr = jax.make_jaxpr(autocast.amp(block(attention), compute_dtype="fp8"))(Q, K, V, wide)
     assert seen == [("reference_attention", [BF16] * 3)]  # attention stays 16-bit under FP8
     assert operand_dtypes(jaxpr, "dot_general")[-1] == ("float8_e4m3fn", "float8_e4m3fn")
 

@@ -207,10 +207,39 @@ def _refuse(primals: tuple, tangents: tuple) -> tuple:
     )
 
 
+# How a scaled float8 product is written for XLA. "direct": the product of the float8
+# operands, accumulated in float32, then multiplied by both scales. "dequantised": each
+# operand converted back and multiplied by its scale *before* the product, the form XLA's GPU
+# compiler matches to a float8 GEMM that applies the scales itself and writes its output in
+# the output dtype (no float32 result pass). Both compute the same products; which one a GPU
+# runs faster is measured by benchmarks/fp8_gemm.py.
+GEMM_FORMS = ("direct", "dequantised")
+_GEMM_FORM = "direct"
+
+
+def scaled_product(bind: Callable[..., Any], qa: Any, sa: Any, qb: Any, sb: Any, out_dtype: Any) -> Any:
+    """``bind(a, b)`` of the float8 values ``qa * sa`` and ``qb * sb``, in ``out_dtype``;
+    ``bind`` accumulates in float32."""
+    if _GEMM_FORM == "dequantised":
+        return bind(qa.astype(_F32) * sa, qb.astype(_F32) * sb).astype(out_dtype)
+    # one scale at a time: their product alone may leave float32's range
+    return (bind(qa, qb) * sa * sb).astype(out_dtype)
+
+
+# The backward products' precision. A float8 GEMM on Hopper with the default precision
+# accumulates with fewer bits than float32 ("fast accumulation"): on an H200, 1024 products
+# of 448 x 448 summed to 1012 x 448**2, where HIGHEST gave the exact 1024 x 448**2 for 14%
+# more time on an 8192x1024x4096 GEMM. The backward products contract over the tokens
+# (thousands of terms), so they take the exact sums, as Transformer Engine's do; the forward
+# products keep the fast ones, as Transformer Engine's forward does.
+_EXACT_SUMS = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
 def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any) -> Any:
-    """Evaluates a transpose jaxpr on float8 operands. Its products accumulate in float32;
-    for one that needs equal operand dtypes, both go to ``same_dtype``. The rest of the
-    jaxpr only moves data (``rev``, ``transpose``) and follows its inputs' dtypes."""
+    """Evaluates a transpose jaxpr on float8 operands. Its products accumulate in float32,
+    exactly (:data:`_EXACT_SUMS`); for one that needs equal operand dtypes, both go to
+    ``same_dtype``. The rest of the jaxpr only moves data (``rev``, ``transpose``) and follows
+    its inputs' dtypes."""
     env = dict(zip(closed.jaxpr.invars, args))
     env.update(zip(closed.jaxpr.constvars, closed.consts))
     read = lambda v: _compat.literal_value(v) if isinstance(v, _compat.Literal) else env[v]  # noqa: E731
@@ -218,8 +247,8 @@ def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any) -> Any:
         invals = [read(v) for v in eqn.invars]
         params = dict(eqn.params)
         if eqn.primitive.name in PRODUCTS:
-            params = _widened(params)
-            if eqn.primitive.name in _SAME_OPERAND_DTYPES:
+            params = {**_widened(params), "precision": _EXACT_SUMS}
+            if eqn.primitive.name in _SAME_OPERAND_DTYPES and invals[0].dtype.itemsize == 1:
                 invals = [x.astype(same_dtype) for x in invals]
         outs = _compat.bind_equation(eqn, invals, params)
         outs = outs if eqn.primitive.multiple_results else [outs]
@@ -239,9 +268,9 @@ def _operand_gradients(
     a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
     to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
     to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
-    da = _evaluate(to_a, [qg, qb], recipe.gradient) * sg * sb
-    db = _evaluate(to_b, [qa, qg], recipe.gradient) * sa * sg
-    return da.astype(dtypes[0]), db.astype(dtypes[1])
+    da = scaled_product(lambda g, b: _evaluate(to_a, [g, b], recipe.gradient), qg, sg, qb, sb, dtypes[0])
+    db = scaled_product(lambda a, g: _evaluate(to_b, [a, g], recipe.gradient), qa, sa, qg, sg, dtypes[1])
+    return da, db
 
 
 def _product(
@@ -255,9 +284,8 @@ def _product(
 
     def forward(a: Any, b: Any) -> tuple[Any, Any]:
         (qa, sa), (qb, sb) = quantise(a, recipe.forward), quantise(b, recipe.forward)
-        # one scale at a time: their product alone may leave float32's range
-        out = prim.bind(qa, qb, **params) * sa * sb
-        return out.astype(out_dtype), (qa, sa, qb, sb)
+        out = scaled_product(lambda a, b: prim.bind(a, b, **params), qa, sa, qb, sb, out_dtype)
+        return out, (qa, sa, qb, sb)
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
         (qa, sa, qb, sb), g = _first_derivative_only((residuals, g))
@@ -343,8 +371,8 @@ def _delayed_product(
     def forward(a: Any, b: Any, history: Any, inbox: Any) -> tuple[Any, Any]:
         sa, sb = scale(a, history, 0, recipe.forward), scale(b, history, 1, recipe.forward)
         qa, qb = quantise_with(a, recipe.forward, sa), quantise_with(b, recipe.forward, sb)
-        out = prim.bind(qa, qb, **params) * sa * sb
-        return out.astype(out_dtype), (qa, sa, qb, sb, history, inbox, amax(a), amax(b))
+        out = scaled_product(lambda a, b: prim.bind(a, b, **params), qa, sa, qb, sb, out_dtype)
+        return out, (qa, sa, qb, sb, history, inbox, amax(a), amax(b))
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any, Any, Any]:
         *kept, inbox, amax_a, amax_b = residuals  # these only feed the inbox
@@ -371,8 +399,39 @@ def _scaled(x: Any) -> bool:
     return castable(x, x.dtype) and np.dtype(x.dtype).itemsize > 1
 
 
+# The smallest extent (rows, columns, contraction) of a product that runs in float8. On an
+# H200 with JAX 0.11.2, XLA hands a float8 dot with an extent below 16 to neither cuBLASLt
+# nor Triton: it converts the float8 operands to float16, where the scaled values' products
+# (448 x 448) overflow, so a 4x4 product of ones came out inf. 16 and above came out right.
+MIN_EXTENT = 16
+
+
+def _extents(eqn: Any) -> tuple[int, int, int]:
+    """(rows, columns, contraction) of one product of a matrix product equation: for a
+    ``dot_general`` the free and contracting sizes (batch dimensions left out), for a
+    convolution the output's positions, its features and one output's contraction."""
+    shapes = [tuple(v.aval.shape) for v in eqn.invars[:2]]
+    p = eqn.params
+    if eqn.primitive.name == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        (a, b) = shapes
+        k = int(np.prod([a[d] for d in lc]))
+        m = int(np.prod([a[d] for d in range(len(a)) if d not in (*lc, *lb)]))
+        n = int(np.prod([b[d] for d in range(len(b)) if d not in (*rc, *rb)]))
+        return m, n, k
+    dn = p["dimension_numbers"]
+    out = tuple(eqn.outvars[0].aval.shape)
+    m = out[dn.out_spec[0]] * int(np.prod([out[d] for d in dn.out_spec[2:]]))
+    kernel = shapes[1]
+    k = kernel[dn.rhs_spec[1]] * int(np.prod([kernel[d] for d in dn.rhs_spec[2:]]))
+    return m, kernel[dn.rhs_spec[0]], k
+
+
 def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
     """Whether a product runs in float8; the others run in the compute dtype.
+
+    - A product with an extent (rows, columns or contraction) below :data:`MIN_EXTENT` gains
+      nothing from float8 and, on a GPU, is not given to a float8 GEMM at all (see there).
 
     - A batched product (``dot_general`` with batch dimensions: attention's ``q @ k`` and
       ``p @ v``, one small product per head) is two activations multiplied, each quantised
@@ -384,6 +443,8 @@ def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
       arithmetic: its contraction is one group's channels.
     """
     p = eqn.params
+    if min(_extents(eqn)) < MIN_EXTENT:
+        return False
     if eqn.primitive.name == "dot_general":
         (_, _), (lhs_batch, _) = p["dimension_numbers"]
         return recipe.batched_products or not lhs_batch
@@ -455,7 +516,7 @@ def use_fp8_precision(
         ...         x = x @ w
         ...     return x @ w
         >>> r = autocast.report(f, compute_dtype=jnp.bfloat16, amp_policy=policy)(
-        ...     jnp.ones((4, 4)), jnp.ones((2, 4)))
+        ...     jnp.ones((16, 16)), jnp.ones((16, 16)))
         >>> r.summary["fp8_flop_share"]
         {'forward': 0.5, 'backward': 0.5}
     """

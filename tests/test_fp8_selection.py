@@ -1,0 +1,70 @@
+"""Which products the float8 recipe runs in float8 at its default settings, and how their
+backward products accumulate; read off jaxprs, the same on every backend."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autocast
+from autocast._src import fp8
+from conftest import eqns_named, operand_dtypes
+
+F8 = {"float8_e4m3fn", "float8_e5m2"}
+
+
+def _product_dtypes(f, *args):
+    return operand_dtypes(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(*args), "dot_general")
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [((4, 16), (16, 16)), ((16, 4), (4, 16)), ((16, 16), (16, 8)), ((2, 4), (4, 3))],
+    ids=["few rows", "short contraction", "few columns", "tiny"],
+)
+def test_a_product_with_an_extent_below_16_runs_in_bfloat16(shapes):
+    # a GPU hands such a float8 dot to no float8 GEMM: XLA computed it in float16 and
+    # overflowed (inf for a 4x4 product of ones on an H200)
+    f = autocast.amp(lambda x, w: jnp.sum(x @ w), compute_dtype="fp8")
+    dtypes = _product_dtypes(f, jnp.ones(shapes[0]), jnp.ones(shapes[1]))
+    assert dtypes and all(set(d) == {"bfloat16"} for d in dtypes)
+    assert float(f(jnp.ones(shapes[0]), jnp.ones(shapes[1]))) == shapes[0][0] * shapes[0][1] * shapes[1][1]
+
+
+def test_products_of_16_and_more_run_in_float8():
+    f = autocast.amp(lambda x, w: jnp.sum(x @ w), compute_dtype="fp8")
+    dtypes = _product_dtypes(f, jnp.ones((16, 32)), jnp.ones((32, 16)))
+    assert len(dtypes) == 3 and all(set(d) <= F8 for d in dtypes)
+
+
+def test_extents_leave_batch_dimensions_out_and_read_convolutions():
+    x, w = jnp.ones((8, 16, 16, 4)), jnp.ones((8, 4, 32))
+    (eqn,) = eqns_named(jax.make_jaxpr(lambda x, w: jnp.einsum("bmhk,bkn->bmhn", x, w))(x, w), "dot_general")
+    assert fp8._extents(eqn) == (16 * 16, 32, 4)
+    conv = lambda x, k: jax.lax.conv_general_dilated(  # noqa: E731
+        x, k, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    x, k = jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 24))
+    (eqn,) = eqns_named(jax.make_jaxpr(conv)(x, k), "conv_general_dilated")
+    # rows: batch x output positions; columns: output features; contraction: 3x3x3
+    assert fp8._extents(eqn) == (2 * 4 * 4, 24, 27)
+
+
+def test_backward_products_sum_exactly_and_forward_products_fast():
+    # Hopper's fast float8 accumulation lost 1.2% of a 1024-term sum on an H200; the
+    # backward products, which sum over the tokens, ask for exact sums (HIGHEST)
+    f = autocast.amp(lambda x, w: jnp.sum(x @ w), compute_dtype="fp8")
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(jnp.ones((32, 16)), jnp.ones((16, 32)))
+    dots = [e for e in eqns_named(jaxpr, "dot_general") if e.invars[0].aval.dtype.itemsize == 1]
+    exact = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert [e.params["precision"] == exact for e in dots] == [False, True, True]
+
+
+def test_the_rule_is_the_same_under_delayed_scaling():
+    f = autocast.amp_fp8_delayed(lambda x, w: jnp.sum(x @ w), history=2)
+    small, large = (jnp.ones((4, 16)), jnp.ones((16, 16))), (jnp.ones((16, 32)), jnp.ones((32, 16)))
+    for (x, w), float8 in ((small, False), (large, True)):
+        jaxpr = jax.make_jaxpr(f)(f.init(x, w), x, w)
+        (dtypes,) = operand_dtypes(jaxpr, "dot_general")
+        assert (set(dtypes) <= F8) is float8
