@@ -22,6 +22,13 @@ from autocast._src.tools import measure as _measure
 H = 4
 
 
+@pytest.fixture(autouse=True)
+def _float8_at_any_size(monkeypatch):
+    # These tests read float8 programs off products of a few elements; which sizes run in
+    # float8 by default is tested in test_fp8_selection.py.
+    monkeypatch.setattr(fp8, "MIN_EXTENT", 1)
+
+
 def _mlp(params, x):
     h = jnp.tanh(x @ params["w1"])
     return jnp.mean((h @ params["w2"]) ** 2)
@@ -161,6 +168,25 @@ def test_eager_and_jit_calls_agree():
     assert float(delayed(history, params, x)) == float(jax.jit(delayed)(history, params, x))
 
 
+def test_a_history_another_function_made_is_refused():
+    # the same products and shapes, another program: its amaxes would scale this one's
+    # operands 100x too small (15.5 where float32 gives 9299, before the check)
+    f = lambda w, x: jnp.mean((x @ w) ** 2)  # noqa: E731
+    g = lambda w, x: jnp.mean(((100.0 * x) @ w) ** 2)  # noqa: E731
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 16)) / 8
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 64))
+    from_f = autocast.amp_fp8_delayed(f).init(w, x)
+    with pytest.raises(ValueError, match="made for another program"):
+        autocast.amp_fp8_delayed(g)(from_f, w, x)
+    with pytest.raises(ValueError, match="made for another program"):
+        jax.jit(autocast.amp_fp8_delayed(g))(from_f, w, x)
+    # the same function on another batch size, or wrapped again, is the same program
+    again = autocast.amp_fp8_delayed(f)
+    assert np.isfinite(float(again(from_f, w, x[:16])))
+    own = autocast.amp_fp8_delayed(g)
+    assert float(own(own.init(w, x), w, x)) == pytest.approx(float(g(w, x)), rel=0.1)
+
+
 def test_refuses_what_does_not_fit():
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
@@ -168,7 +194,8 @@ def test_refuses_what_does_not_fit():
     with pytest.raises(TypeError, match="Fp8History"):
         delayed(history.amax, params, x)
     with pytest.raises(ValueError, match="has 1 histories but the program has more"):
-        delayed(autocast.Fp8History(history.amax[:1], history.inbox[:1], history.measured[:1]), params, x)
+        truncated = autocast.Fp8History(history.amax[:1], history.inbox[:1], history.measured[:1], history.program)
+        delayed(truncated, params, x)
     with pytest.raises(ValueError, match=r"expected \(3, 4\)"):
         delayed(dataclasses.replace(history, amax=tuple(h[:, :2] for h in history.amax)), params, x)
     with pytest.raises(TypeError, match="gradient with respect to this history"):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -35,7 +37,9 @@ from autocast._src.transform import amp as _amp
 from autocast._src.transform.histories import Slots, inbox_shape
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["amax", "inbox"], meta_fields=["measured"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["amax", "inbox"], meta_fields=["measured", "program"]
+)
 @dataclasses.dataclass(frozen=True)
 class Fp8History:
     """The amax histories of the float8 products that :func:`amp_fp8_delayed` scales.
@@ -47,12 +51,13 @@ class Fp8History:
     ``(3, 280)`` per product (stacked alike): the gradient with respect to it is what the
     step measured, which :meth:`advance` turns into the next history. ``measured`` (static)
     flags, per product, the rows ``init`` could measure (an amax above zero reached them); a
-    row it could not keeps current scaling. Make one with ``init``.
+    row it could not keeps current scaling. ``program`` (static) names the program ``init``
+    measured, so that a history is never used by another function. Make one with ``init``.
 
     Example:
         >>> import autocast, jax, jax.numpy as jnp
         >>> f = autocast.amp_fp8_delayed(lambda w, x: (x @ w).sum(), history=4)
-        >>> w, x = jnp.ones((8, 8)), jnp.full((2, 8), 3.0)
+        >>> w, x = jnp.ones((16, 16)), jnp.full((16, 16), 3.0)
         >>> h = f.init(w, x)
         >>> len(h.amax), h.amax[0].shape, h.amax[0][:, 0].tolist()
         (1, (3, 4), [4.0, 1.0, 1.0])
@@ -64,6 +69,7 @@ class Fp8History:
     amax: tuple[Any, ...]
     inbox: tuple[Any, ...]
     measured: tuple[tuple[bool, bool, bool], ...]
+    program: str = ""
 
     def advance(self, grad: Fp8History) -> Fp8History:
         """The next history: each product's newest amaxes, from ``grad`` (the gradient of the
@@ -112,6 +118,15 @@ def _cotangent(x: Any) -> Any:
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
+def program_of(traced: Any) -> str:
+    """A name for the program a history belongs to: a digest of its jaxpr's text with every
+    number left out, so that the same function on another batch size (or with another Python
+    float, which amp keeps static) is the same program, and a function that differs in any
+    operation is another."""
+    text = re.sub(r"[0-9]+", "#", str(traced.jaxpr))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class DelayedFp8:
     """What :func:`amp_fp8_delayed` returns: ``fn`` under amp's float8 recipe with delayed
     scaling, taking an :class:`Fp8History` first; ``init`` makes the first history and
@@ -120,7 +135,7 @@ class DelayedFp8:
     Example:
         >>> import autocast, jax, jax.numpy as jnp
         >>> f = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(jnp.tanh(x @ w)), history=8)
-        >>> w, x = jnp.eye(4), jnp.ones((2, 4))
+        >>> w, x = jnp.eye(16), jnp.ones((16, 16))
         >>> h = f.init(w, x)
         >>> value, (g_h, g_w) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w, x)
         >>> h = h.advance(g_h)
@@ -135,7 +150,15 @@ class DelayedFp8:
         self.has_aux = bool(has_aux)
         recipe = dataclasses.replace(fp8.DEFAULT_RECIPE, history=history)
         self._amp = _amp._Amp(fn, None, amp_policy, delayed=recipe)
+        self._programs: dict[int, tuple[Any, str]] = {}
         functools.update_wrapper(self, fn, updated=())
+
+    def _program(self, traced: Any) -> str:
+        """:func:`program_of` ``traced``, once per trace."""
+        name = self._programs.get(id(traced))
+        if name is None or name[0] is not traced:
+            name = self._programs[id(traced)] = (traced, program_of(traced))
+        return name[1]
 
     def _evaluate(
         self, traced: Any, ctx: Any, rows: Sequence[Any] | None, measuring: bool, dyn: Sequence[Any],
@@ -160,6 +183,13 @@ class DelayedFp8:
             )
         ctx = self._amp._context()
         traced, dyn = self._amp._traced_call(args, kwargs, ctx)
+        program = self._program(traced)
+        if state.program != program:
+            raise ValueError(
+                "amp_fp8_delayed: this Fp8History was made for another program (by the init of "
+                "another function, or of this one on arguments of another structure), so its "
+                "amaxes say nothing of this one's products; make it with this function's init"
+            )
         rows = list(zip(state.amax, state.inbox))
         arrays = (*state.amax, *state.inbox, *dyn)
         if not any(isinstance(x, jax.core.Tracer) for x in arrays):
@@ -228,7 +258,7 @@ class DelayedFp8:
         filled, held = measure(*dyn)
         measured = tuple(tuple(bool(r) for r in rows) for rows in held)
         zeros = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
-        return Fp8History(tuple(filled), zeros, measured)
+        return Fp8History(tuple(filled), zeros, measured, self._program(traced))
 
 
 def amp_fp8_delayed(
@@ -271,7 +301,7 @@ def amp_fp8_delayed(
     Example:
         >>> import autocast, jax, jax.numpy as jnp
         >>> loss = autocast.amp_fp8_delayed(lambda w, x: jnp.mean((x @ w) ** 2), history=4)
-        >>> w, x = jnp.eye(8), jnp.ones((4, 8))
+        >>> w, x = jnp.eye(16), jnp.ones((16, 16))
         >>> h = loss.init(w, x)
         >>> g_h, g_w = jax.grad(loss, argnums=(0, 1))(h, w, x)
         >>> h = h.advance(g_h)
