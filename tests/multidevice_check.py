@@ -82,7 +82,9 @@ def main() -> None:
 
     # delayed float8 scaling: a replicated history's gradient is the sum over devices, and
     # its bins still show the largest amax of any device's shard
-    big = x.at[5].multiply(40.0)  # device 2's rows
+    # (extents of 16 and more: narrower products stay bfloat16 under float8)
+    w = jnp.linspace(-0.5, 0.5, 256).reshape(16, 16)
+    big = jnp.linspace(-1, 1, 1024).reshape(64, 16).at[40].multiply(40.0)  # device 2's rows
     f8 = autocast.amp_fp8_delayed(lambda w, xb: jnp.mean(jnp.tanh(xb @ w)), history=4)
     history = f8.init(w, big)
     sharded = _compat.shard_map(lambda h, w, xb: jax.lax.pmean(f8(h, w, xb), "d"), mesh, (P(), P(), P("d")), P())

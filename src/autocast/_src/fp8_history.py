@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast._src import fp8
+from autocast._src.tools import measure as _measure
 from autocast._src.transform import amp as _amp
 from autocast._src.transform.histories import Slots, inbox_shape
 
@@ -118,13 +118,22 @@ def _cotangent(x: Any) -> Any:
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
+# Equations that say where a value lives, not what is computed: shard_map's tracing adds them
+# (with varying-axis annotations on the types) where the same function traced outside has none.
+_PLACEMENT = frozenset({"pvary", "pbroadcast", "sharding_constraint", "mesh_cast", "reshard", "device_put"})
+
+
 def program_of(traced: Any) -> str:
-    """A name for the program a history belongs to: a digest of its jaxpr's text with every
-    number left out, so that the same function on another batch size (or with another Python
-    float, which amp keeps static) is the same program, and a function that differs in any
-    operation is another."""
-    text = re.sub(r"[0-9]+", "#", str(traced.jaxpr))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A name for the program a history belongs to: a digest of its equations in order (with
+    sub-jaxprs), each as its primitive and the dtypes of its outputs. Shapes and constants are
+    left out (a mean's divisor is the batch size), so the same function on another batch
+    size, or on a device's shard under ``shard_map``, is the same program; a function that
+    differs in any operation is another."""
+    parts = []
+    for eqn in _measure.equations(traced.jaxpr):
+        if eqn.primitive.name not in _PLACEMENT:
+            parts.append(f"{eqn.primitive.name}{[str(v.aval.dtype) for v in eqn.outvars]}")
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
 
 
 class DelayedFp8:
