@@ -113,3 +113,35 @@ def test_backward_cotangents_before_and_after_logs():
     assert cts == [1.0, 2.0] and repack([3.0, 4.0]) == ([3.0, 4.0], logs)
     cts, repack = _compat.backward_cotangents(([1.0], None))
     assert cts == [1.0] and repack([3.0]) == ([3.0], None)
+
+
+def test_zero_cotangents_reach_a_rule_as_symbolic_zeros_where_the_pullback_takes_them(monkeypatch):
+    from jax.custom_derivatives import SymbolicZero
+
+    seen = []
+
+    @jax.custom_vjp
+    def f(x):
+        return x * 2.0, x * 3.0
+
+    def bwd(_, cts):
+        seen.append(tuple(isinstance(c, SymbolicZero) for c in cts))
+        given = [c * k for c, k in zip(cts, (2.0, 3.0)) if not isinstance(c, SymbolicZero)]
+        return (sum(given, jnp.zeros(3)),)
+
+    f.defvjp(lambda x: (f(x.value), None), bwd, symbolic_zeros=True)
+    _, pullback = jax.vjp(f, jnp.ones(3))
+    aval = jax.typeof(jnp.ones(3))
+    symbolic = _compat._pullback_takes_symbolic_zeros()
+    # JAX 0.10's and later pullbacks take them; 0.6.2's does not (it checks a flat tree of arrays)
+    assert symbolic == (jax.__version_info__ >= (0, 10))
+    (ct,) = pullback((_compat.zero_cotangent(aval), jnp.ones(3)))
+    np.testing.assert_array_equal(ct, 3.0)
+    assert seen == [(symbolic, False)]
+    # the other branch, which every JAX takes: an array of zeros, an ordinary cotangent
+    monkeypatch.setattr(_compat, "_pullback_takes_symbolic_zeros", lambda: False)
+    zeros = _compat.zero_cotangent(aval)
+    assert isinstance(zeros, np.ndarray) and zeros.dtype == np.float32 and not zeros.any()
+    (ct,) = pullback((zeros, jnp.ones(3)))
+    np.testing.assert_array_equal(ct, 3.0)
+    assert seen[-1] == (False, False)

@@ -318,6 +318,37 @@ def test_diffrax_neural_ode_trains():
     assert float(last) < 0.7 * float(first)
 
 
+def ode_from(model, y0):
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, m: m(y)), diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, args=model,
+        saveat=diffrax.SaveAt(ts=TS), stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
+    )
+    return jnp.mean((sol.ys - TARGET) ** 2)
+
+
+def batched_ode_loss(model, y0s):
+    """A neural ODE solved from several initial states under ``jax.vmap``: the solver's
+    ``custom_vjp`` is batched, and its outputs that depend on the model alone are shared
+    across the batch."""
+    return jnp.mean(jax.vmap(lambda y0: ode_from(model, y0))(y0s))
+
+
+@pytest.mark.slow
+def test_diffrax_neural_ode_under_vmap():
+    # JAX 0.12 refuses a batched custom_vjp whose rule gets a nonzero cotangent for an output
+    # shared across the batch and gives a batched cotangent to an unbatched input; amp's
+    # re-bound rule must pass on the symbolic zeros it gets, not arrays of zeros.
+    model = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=KEYS[4])
+    y0s = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.6, -0.8]])
+    check_three_ways(batched_ode_loss, (model, y0s), tol=0.1)  # grad(amp(vmap(...)))
+    amp_ode = autocast.amp(ode_from, compute_dtype=BF16)
+    vmapped_amp = lambda m: jnp.mean(jax.vmap(lambda y0: amp_ode(m, y0))(y0s))  # noqa: E731
+    got = eqx.filter_jit(eqx.filter_grad(vmapped_amp))(model)
+    want = eqx.filter_grad(batched_ode_loss)(model, y0s)
+    assert dtypes(got) == dtypes(want)
+    assert _measure.relative_error(got, want) < 0.1
+
+
 def root_loss(w):
     # Newton's tolerance matches bfloat16's resolution: a function evaluated in 16 bits cannot
     # be driven below its own rounding (see docs/third_party.md on iterative solvers).

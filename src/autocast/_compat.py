@@ -348,6 +348,37 @@ def backward_cotangents(out: Any) -> tuple[list[Any], Any]:
     return list(out), list
 
 
+def zero_cotangent(aval: Any) -> Any:
+    """A cotangent known to be zero for an output of abstract value ``aval``, to hand to the
+    pullback ``jax.vjp`` returned. Where the pullback takes JAX's symbolic zero (0.10 does,
+    0.6.2 does not), that: a ``custom_vjp`` rule underneath then receives a symbolic zero, as
+    it would without amp, which JAX 0.12's ``vmap`` check of a shared output's cotangent
+    needs (a diffrax solve under ``vmap``). Elsewhere an array of zeros."""
+    tangent = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") else aval.to_tangent_aval()
+    if _pullback_takes_symbolic_zeros():
+        from jax._src.ad_util import Zero
+
+        return Zero(tangent)
+    return np.zeros(tangent.shape, tangent.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _pullback_takes_symbolic_zeros() -> bool:
+    # Asked of the installed JAX once, by trying: its pullback either flattens a symbolic
+    # zero as one leaf, or rejects the unknown tree structure (ValueError). Evaluated now,
+    # not staged into whatever amp is tracing when it first asks.
+    from jax._src.ad_util import Zero
+
+    one = np.float32(1.0)
+    with jax.ensure_compile_time_eval():
+        _, pullback = jax.vjp(lambda x: (x, x), one)
+        try:
+            pullback((Zero(jax.typeof(one)), one))
+        except ValueError:
+            return False
+    return True
+
+
 def replace_public_function(module: str, name: str, wrap: Any) -> None:
     """Replaces the public function ``module.name`` by ``wrap(function)`` (once), so that
     calls through the module reach the wrapper: code that calls

@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from autocast import _compat
 from autocast._src.policy.casting import cast_value, castable
 from autocast._src.transform import interpreter
-from autocast._src.transform.closures import instantiate, traced_call
+from autocast._src.transform.closures import traced_call
 from autocast._src.transform.interpreter import SPREAD, STRONG, Context, eval_jaxpr
 from autocast._src.transform.retrace import (
     TRACES,
@@ -382,15 +382,14 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
 
 
 @_once_per_equation
-def _custom_vjp_rule_jaxprs(eqn: Any, perturbed: tuple[bool, ...]) -> tuple[Any, Any, int]:
-    """The user's forward and backward rules as jaxprs at the original dtypes, for the
-    arguments marked ``perturbed``, traced once: ``fwd(consts, args) -> (outs, residuals)``
-    and ``bwd(residuals, cotangents) -> cotangents of the perturbed args``, with the number of
-    residuals between them. The leading ``num_consts`` inputs are values the function closed
-    over: never differentiated. Unperturbed arguments enter as constants, so the user's
-    forward rule sees them unperturbed, as it would without amp."""
+def _custom_vjp_fwd_jaxpr(eqn: Any, perturbed: tuple[bool, ...]) -> tuple[Any, Any, list]:
+    """The user's forward rule as a jaxpr at the original dtypes, for the arguments marked
+    ``perturbed``, traced once: ``fwd(consts, args) -> (outs, residuals)``, with the tree
+    that rebuilds the pullback from the residuals and the residuals' shapes. The leading
+    ``num_consts`` inputs are values the function closed over: never differentiated.
+    Unperturbed arguments enter as constants, so the user's forward rule sees them
+    unperturbed, as it would without amp."""
     n_consts = eqn.params.get("num_consts", 0)
-    in_avals = [v.aval for v in eqn.invars]
     store: dict[str, Any] = {}
 
     def fwd(*inputs: Any) -> tuple[list, list]:
@@ -403,16 +402,28 @@ def _custom_vjp_rule_jaxprs(eqn: Any, perturbed: tuple[bool, ...]) -> tuple[Any,
         residuals, store["tree"] = jax.tree_util.tree_flatten(vjp_fn)
         return outs, residuals
 
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
     fwd_jaxpr, (_, res_shapes) = jax.make_jaxpr(fwd, return_shape=True)(*specs)
-    tree = store["tree"]
+    return fwd_jaxpr, store["tree"], list(res_shapes)
 
-    def bwd(residuals: list, cotangents: list) -> list:
-        return list(jax.tree_util.tree_unflatten(tree, residuals)(cotangents))
 
-    ct_specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-    bwd_jaxpr = jax.make_jaxpr(bwd)(list(res_shapes), ct_specs)
-    return fwd_jaxpr, bwd_jaxpr, len(res_shapes)
+@_once_per_equation
+def _custom_vjp_bwd_jaxpr(eqn: Any, perturbed: tuple[bool, ...], zero_cts: tuple[bool, ...]) -> Any:
+    """The user's backward rule as a jaxpr, ``bwd(residuals, cotangents) -> cotangents of
+    the perturbed args``, taking only the cotangents not marked ``zero_cts``: the others
+    reach the rule as the symbolic zeros they were (JAX 0.12's ``vmap`` refuses a rule that
+    gets a nonzero cotangent for an output shared across the batch and gives a batched
+    cotangent to an unbatched input; a zero array there would be such a cotangent)."""
+    _, tree, res_shapes = _custom_vjp_fwd_jaxpr(eqn, perturbed)
+    out_avals = [v.aval for v in eqn.outvars]
+
+    def bwd(residuals: list, given: list) -> list:
+        it = iter(given)
+        cts = [_compat.zero_cotangent(a) if z else next(it) for a, z in zip(out_avals, zero_cts)]
+        return list(jax.tree_util.tree_unflatten(tree, residuals)(cts))
+
+    ct_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, z in zip(out_avals, zero_cts) if not z]
+    return jax.make_jaxpr(bwd)(res_shapes, ct_specs)
 
 
 def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
@@ -438,18 +449,20 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     def fn_fwd(*wrapped: Any) -> tuple[list, list]:
         perturbed = tuple(w.perturbed and d for w, d in zip(wrapped, diff))
         pattern.append(perturbed)
-        fwd_jaxpr, _, n_res = _custom_vjp_rule_jaxprs(eqn, perturbed)
+        fwd_jaxpr, _, res_shapes = _custom_vjp_fwd_jaxpr(eqn, perturbed)
         flat = eval_jaxpr(
             fwd_jaxpr.jaxpr, fwd_jaxpr.consts, [*consts, *[w.value for w in wrapped]], inner
         )
-        outs, residuals = flat[: len(flat) - n_res], flat[len(flat) - n_res :]
+        n_out = len(flat) - len(res_shapes)
+        outs, residuals = flat[:n_out], flat[n_out:]
         return [cast_value(x, d) for x, d in zip(outs, out_dtypes)], residuals
 
     def fn_bwd(residuals: list, cotangents: list) -> tuple:
         perturbed = pattern[-1]
-        _, bwd_jaxpr, _ = _custom_vjp_rule_jaxprs(eqn, perturbed)
-        cotangents = [instantiate(c) for c in cotangents]
-        cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *cotangents], inner))
+        zero_cts = tuple(isinstance(c, SymbolicZero) for c in cotangents)
+        bwd_jaxpr = _custom_vjp_bwd_jaxpr(eqn, perturbed, zero_cts)
+        given = [c for c, z in zip(cotangents, zero_cts) if not z]
+        cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *given], inner))
         return tuple(
             cast_value(next(cts), x.dtype) if p else None for x, p in zip(args, perturbed)
         )
