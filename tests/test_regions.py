@@ -52,6 +52,22 @@ def test_residuals_are_16_bit_activations_and_small_statistics():
     )
 
 
+def test_a_tanh_before_its_square_joins_the_region_however_the_square_is_spelled():
+    # x ** 2 goes to float32 as jnp.square does, so the tanh feeding it is gathered into the
+    # same region: the backward keeps the tanh's 16-bit input, not its output and 1 - y^2 too
+    def loss(square):
+        return lambda w, x: jnp.sum(square(jnp.tanh(x @ w)))
+
+    kept = []
+    for square in (lambda y: y**2, jnp.square):
+        fn = autocast.amp(loss(square), compute_dtype=BF16)
+        (region,) = _regions(jaxpr_of(fn, W, X))
+        assert operand_dtypes(region.params["jaxpr"], "tanh") == [("float32",)]
+        kept.append(_measure.residual_bytes(fn, W, X, include_inputs=False))
+    # in bfloat16 (2 bytes): w and x for the product's backward, and x @ w, the region's input
+    assert kept[0] == kept[1] == 2 * (W.size + X.size + X.size)
+
+
 def group_norm_mlp(w, x):
     h = x @ w  # (16, 64) in 8 groups of 8
     grouped = h.reshape(16, 8, 8)

@@ -262,7 +262,7 @@ class _Uses:
                 v
                 for eqn in self._jaxpr.eqns
                 if eqn.primitive.name in regions.ELEMENTWISE
-                and decide(eqn, self._ctx) in regions.WIDENING
+                and regions.widening(eqn, decide(eqn, self._ctx))
                 for v in eqn.invars
                 if not isinstance(v, _compat.Literal)
             }

@@ -395,6 +395,16 @@ def float32_inputs(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> tup
     return stream, statistic
 
 
+def widening(eqn: Any, rule: Any) -> bool:
+    """Whether ``rule`` computes ``eqn`` in float32 on a 16-bit activation whatever its
+    inputs are: a float32 row of the table, or a power that goes to float32 (``x ** 2`` is
+    a square however it is spelled). The interpreter asks it of later equations too, so
+    that an elementwise value feeding one (a tanh before its square) joins the region."""
+    return rule in WIDENING or (
+        rule is use_precision_by_exponent and eqn.params.get("y") not in INPUT_PRECISION_EXPONENTS
+    )
+
+
 def may_gather(eqn: Any, rule: Any) -> bool:
     """Whether :func:`gather` could take ``eqn`` at all: a cheap test on the trace's hot path."""
     return (
@@ -445,12 +455,8 @@ def gather(
     if stream is None:
         return None
     widens = (
-        rule in WIDENING
+        widening(eqn, rule)
         or statistic
-        or (
-            rule is use_precision_by_exponent
-            and eqn.params.get("y") not in INPUT_PRECISION_EXPONENTS
-        )
         or (name == "div" and _is_full(invals[1], eqn.outvars[0].aval.shape))  # 1/x
     )
     if widens or feeds_wide():
