@@ -954,6 +954,13 @@ def test_value_equality():
     assert jax.jit(lambda s: s)(ls) == ls
     assert pickle.loads(pickle.dumps(ls)) == ls
     assert ls.adjust(F) != ls
+    # a Python bool on every Python (3.13's dataclasses would give the last field's Array)
+    assert (ls == jax.tree_util.tree_map(lambda x: x, ls)) is True
+    assert (ls.adjust(F) == ls) is False and (ls.adjust(F) != ls) is True
+    assert (autocast.StaticLossScale(2.0) == autocast.StaticLossScale(2.0)) is True
+    assert (autocast.NoOpLossScale() == autocast.NoOpLossScale()) is True
+    assert autocast.StaticLossScale(2.0).__eq__(2.0) is NotImplemented
+    assert hash(autocast.NoOpLossScale()) == hash(autocast.NoOpLossScale())
 
 
 def test_dataclasses_replace_checks_and_converts():

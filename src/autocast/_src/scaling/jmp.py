@@ -108,7 +108,25 @@ class LossScale(abc.ABC):
         """
 
 
+def _value_equality(cls: type[T]) -> type[T]:
+    """Makes ``==`` of a loss-scale dataclass one Python bool on every Python, as tuples of
+    fields compared up to Python 3.12; 3.13's generated ``__eq__`` joins the fields'
+    comparisons with ``and`` and so returns the last one, a JAX array. The generated
+    ``__hash__`` is kept."""
+
+    def __eq__(self: T, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        names = [f.name for f in dataclasses.fields(self)]
+        pairs = ((getattr(self, n), getattr(other, n)) for n in names)
+        return all(a is b or bool(a == b) for a, b in pairs)
+
+    cls.__eq__ = __eq__  # type: ignore[method-assign]
+    return cls
+
+
 @register_fields
+@_value_equality
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale(LossScale):
     """A loss scale that does nothing, for bfloat16 and float32 training.
@@ -168,6 +186,7 @@ class NoOpLossScale(LossScale):
 
 
 @register_fields
+@_value_equality
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale(LossScale):
     """Scales and unscales by a fixed positive factor, kept in float32.
@@ -214,6 +233,7 @@ class StaticLossScale(LossScale):
 
 
 @register_fields
+@_value_equality
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale(LossScale):
     """A loss scale that grows while gradients stay finite and shrinks when they do not.
