@@ -460,3 +460,46 @@ def test_init_refuses_tracers_and_advance_a_gradient_of_another_shape():
 
 
 # Under shard_map (every device takes the largest amax of any): tests/multidevice_check.py.
+
+
+def _scaler_case():
+    f = lambda w, x: jnp.mean((x @ w) ** 2)  # noqa: E731
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 16)) / 8
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 64))
+    return f, w, x, jax.grad(f)(w, x)
+
+
+def test_under_a_loss_scaler_the_gradient_rows_follow_the_scale():
+    # init measures unscaled gradients; the scaler multiplies them by 2**15. Before the
+    # history followed the scale, e5m2 saturated them and the weight gradient came out
+    # 0.00012 of float32's, counted as finite and applied.
+    f, w, x, want = _scaler_case()
+    loss8 = autocast.amp_fp8_delayed(f, history=4)
+    history = loss8.init(w, x)
+    step = jax.jit(autocast.dynamic_scale_grad(loss8, argnums=(0, 1)))
+    state = autocast.DynamicScalerState()
+    for _ in range(3):
+        state, (g_history, g_w) = step(history, w, x, dynamic_scaler_state=state)
+        ratio = float(jnp.linalg.norm(g_w) / jnp.linalg.norm(want))
+        assert 0.95 < ratio < 1.05, ratio
+        assert float(state.loss_scale) == 2.0**15  # nothing overflowed, nothing was skipped
+        history = history.advance(g_history)
+    # the history keeps gradient amaxes at its own loss scale (1): the scaler's are undone
+    assert float(history.loss_scale) == 1.0
+    assert np.asarray(history.amax[0][2]).tolist() == np.asarray(loss8.init(w, x).amax[0][2]).tolist()
+
+
+def test_a_loss_scale_applied_by_hand_takes_at_loss_scale():
+    f, w, x, want = _scaler_case()
+    loss8 = autocast.amp_fp8_delayed(f, history=4)
+    history = loss8.init(w, x)
+    scale = autocast.DynamicLossScale(jnp.float32(2.0**15))
+    scaled = lambda h, w, x: scale.scale(loss8(h, w, x))  # noqa: E731
+    for h, right in ((history, False), (history.at_loss_scale(scale.loss_scale), True)):
+        g_h, g_w = jax.grad(scaled, argnums=(0, 1))(h, w, x)
+        ratio = float(jnp.linalg.norm(scale.unscale(g_w)) / jnp.linalg.norm(want))
+        assert (0.95 < ratio < 1.05) is right, ratio
+    # advance from a step at the history's own scale keeps that scale's amaxes
+    moved = history.at_loss_scale(4.0)
+    g_h, _ = jax.grad(lambda h, w, x: 4.0 * loss8(h, w, x), argnums=(0, 1))(moved, w, x)
+    assert np.asarray(moved.advance(g_h).amax[0][2]).tolist() == np.asarray(moved.amax[0][2]).tolist()

@@ -38,7 +38,9 @@ from autocast._src.transform.histories import Slots, inbox_shape
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["amax", "inbox"], meta_fields=["measured", "program"]
+    jax.tree_util.register_dataclass,
+    data_fields=["amax", "inbox", "loss_scale"],
+    meta_fields=["measured", "program"],
 )
 @dataclasses.dataclass(frozen=True)
 class Fp8History:
@@ -52,7 +54,11 @@ class Fp8History:
     step measured, which :meth:`advance` turns into the next history. ``measured`` (static)
     flags, per product, the rows ``init`` could measure (an amax above zero reached them); a
     row it could not keeps current scaling. ``program`` (static) names the program ``init``
-    measured, so that a history is never used by another function. Make one with ``init``.
+    measured, so that a history is never used by another function. ``loss_scale`` is the loss
+    scale the gradient rows were measured under (1 from ``init``): output gradients grow with
+    the loss scale, so :meth:`at_loss_scale` moves those rows with it, which the loss scalers'
+    ``dynamic_scale_grad`` and ``dynamic_scale_value_and_grad`` do at every step. Make one
+    with ``init``.
 
     Example:
         >>> import autocast, jax, jax.numpy as jnp
@@ -70,6 +76,35 @@ class Fp8History:
     inbox: tuple[Any, ...]
     measured: tuple[tuple[bool, bool, bool], ...]
     program: str = ""
+    loss_scale: Any = 1.0
+
+    def at_loss_scale(self, scale: Any) -> Fp8History:
+        """This history for a step whose loss is multiplied by ``scale``: the output-gradient
+        rows multiplied by ``scale`` over the loss scale they were measured under, as the
+        gradients themselves will be. Without it, a history measured without a loss scale
+        would scale a float16 run's gradients, 2**15 times larger, into saturation.
+
+        ``autocast.dynamic_scale_grad`` and ``dynamic_scale_value_and_grad`` call it with
+        their state's scale; with a loss scale applied by hand (jmp's objects, the optax
+        face's ``loss_scale_of(state).scale``), call it before the step.
+
+        Args:
+            scale: The loss scale of the coming step, a positive scalar.
+
+        Returns:
+            The history with its gradient rows and ``loss_scale`` at ``scale``.
+
+        Example:
+            >>> import autocast, jax.numpy as jnp
+            >>> f = autocast.amp_fp8_delayed(lambda w, x: (x @ w).sum(), history=2)
+            >>> h = f.init(jnp.ones((16, 16)), jnp.ones((16, 16)))
+            >>> h.amax[0][2].tolist(), h.at_loss_scale(2.0**15).amax[0][2].tolist()
+            ([1.0, 1.0], [32768.0, 32768.0])
+        """
+        scale = jnp.asarray(scale, jnp.float32)
+        ratio = scale / jnp.asarray(self.loss_scale, jnp.float32)
+        amax = tuple(h.at[..., 2, :].multiply(ratio) for h in self.amax)
+        return dataclasses.replace(self, amax=amax, loss_scale=scale)
 
     def advance(self, grad: Fp8History) -> Fp8History:
         """The next history: each product's newest amaxes, from ``grad`` (the gradient of the
@@ -102,11 +137,23 @@ class Fp8History:
                     f"the history's inbox {np.shape(mine)}: give the gradient of one step "
                     "(per-example gradients from vmap must be summed first)"
                 )
-        return dataclasses.replace(self, amax=tuple(_pushed(h, g) for h, g in zip(self.amax, grad.inbox)))
+        # the gradient's amaxes were taken under the loss scale its loss_scale names (a loss
+        # scaler's face sets it; jax.grad gives 0 there: under this history's own)
+        under = jnp.asarray(0.0 if grad.loss_scale is None else grad.loss_scale, jnp.float32)
+        own = jnp.asarray(self.loss_scale, jnp.float32)
+        ratio = jnp.where(under > 0, own / jnp.where(under > 0, under, 1.0), 1.0)
+        return dataclasses.replace(self, amax=tuple(_pushed(h, g, ratio) for h, g in zip(self.amax, grad.inbox)))
+
+    def measured_under(self, scale: Any) -> Fp8History:
+        """This gradient of a history, marked as taken in a step whose loss was multiplied by
+        ``scale`` (the loss scalers' faces mark the gradients they return), so that
+        :meth:`advance` brings its output-gradient amaxes to the history's own loss scale."""
+        return dataclasses.replace(self, loss_scale=jnp.asarray(scale, jnp.float32))
 
 
-def _pushed(history: Any, inbox: Any) -> Any:
+def _pushed(history: Any, inbox: Any, ratio: Any) -> Any:
     bound, held = fp8.bins_bound(inbox[..., : fp8.BINS])
+    bound = bound.at[..., 2].multiply(ratio)
     shifted = jnp.concatenate([bound[..., None], history[..., :-1]], axis=-1)
     return jnp.where(held[..., None], shifted, history)
 
@@ -267,7 +314,7 @@ class DelayedFp8:
         filled, held = measure(*dyn)
         measured = tuple(tuple(bool(r) for r in rows) for rows in held)
         zeros = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
-        return Fp8History(tuple(filled), zeros, measured, self._program(traced))
+        return Fp8History(tuple(filled), zeros, measured, self._program(traced), jnp.float32(1.0))
 
 
 def amp_fp8_delayed(

@@ -391,6 +391,7 @@ def _scaled_transform(
 
     def scaled_fun(*args: Any, **kwargs: Any) -> Any:
         state = kwargs.pop(_STATE_KEYWORD)
+        args, kwargs = _at_loss_scale((args, kwargs), state.loss_scale)
         return scale_fn(fun(*args, **kwargs), state)
 
     transformed = transform(_with_keyword(scaled_fun, fun, _STATE_KEYWORD))
@@ -403,6 +404,7 @@ def _scaled_transform(
 
         def attempt(state: Any) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
             results = unscale_fn(transformed(*args, **{_STATE_KEYWORD: state}, **kwargs), state)
+            results = _measured_under(results, state.loss_scale)
             finite = check_finite_flag(finite_fn(results))
             retryable = inputs_finite if loss_finite_fn is None else inputs_finite & loss_finite_fn(results)
             zero = all_zero(grads_fn(results))
@@ -416,6 +418,21 @@ def _scaled_transform(
         return _with_retries(attempt, dynamic_scaler_state, redo_on_nan)
 
     return _with_keyword(wrapped, fun, "dynamic_scaler_state")
+
+
+def _at_loss_scale(tree: Any, scale: Any) -> Any:
+    """``tree`` with every leaf that keeps state measured under a loss scale (a float8
+    history: ``at_loss_scale``) moved to ``scale``, the scale this attempt multiplies the
+    loss by."""
+    keeps = lambda x: callable(getattr(x, "at_loss_scale", None))  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: x.at_loss_scale(scale) if keeps(x) else x, tree, is_leaf=keeps)
+
+
+def _measured_under(tree: Any, scale: Any) -> Any:
+    """``tree`` (the step's results) with the gradient of every such state marked as taken
+    under ``scale`` (``measured_under``), so that the state's own update undoes it."""
+    marks = lambda x: callable(getattr(x, "measured_under", None))  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: x.measured_under(scale) if marks(x) else x, tree, is_leaf=marks)
 
 
 def _scale_loss(value: Any, state: Any) -> Any:
