@@ -8,13 +8,23 @@ OLDEST_CONSTRAINTS := .ci/oldest.txt
 OLDEST_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python3.10; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null && { echo "$$p"; exit; }; done; \
 	echo $(PYTHON))
+# The newest supported JAX, on a Python >= 3.12 (JAX 0.11 on needs one): make test-newest
+# finds one with .ci/newest_python.sh (NEWEST_PYTHON, python3.13/3.12 on PATH or under pyenv,
+# else a Debian 13 root built once under .newest-root/). One venv per JAX version, so
+# NEWEST_JAX=0.11.2 and the default keep theirs.
+NEWEST_JAX ?= 0.12.0.1
+NEWEST_VENV := .venv-newest-$(NEWEST_JAX)
+NEWEST_PYTHON ?=
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core; TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test test-fast test-oldest demo bench clean
+# What the scripts test-newest runs read, wherever they were given (command line or environment).
+export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
+
+.PHONY: test test-fast test-oldest test-newest newest-suite demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +36,15 @@ $(OLDEST_VENV)/.installed: pyproject.toml $(OLDEST_CONSTRAINTS)
 	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(OLDEST_VENV)/bin/python -m pip install --quiet -c $(OLDEST_CONSTRAINTS) -e '.[test]'
+	touch $@
+
+# Built by newest-suite with the interpreter .ci/newest_python.sh chose (it empties the venv
+# when that changes); the pins keep the resolver on the JAX under test.
+$(NEWEST_VENV)/.installed: pyproject.toml
+	@test -n "$(NEWEST_PYTHON)" || { echo "run make test-newest: it finds a Python >= 3.12"; exit 2; }
+	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST_VENV)/bin/python -m pip install --quiet jax==$(NEWEST_JAX) jaxlib==$(NEWEST_JAX) -e '.[test,demo]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -46,5 +65,16 @@ test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
+test-newest:
+	@.ci/newest_python.sh $(MAKE)
+
+# The suite in $(NEWEST_VENV), run by test-newest once it has a Python (inside the Debian root
+# where it made one); it stops if the venv holds another JAX than the one asked for.
+newest-suite: $(NEWEST_VENV)/.installed
+	$(NEWEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}"); \
+		assert jax.__version__ == "$(NEWEST_JAX)", "$(NEWEST_VENV) holds another JAX"'
+	$(NEWEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# Leaves the Debian root (.newest-root/) alone: it takes minutes to build and is reused.
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .hypothesis
+	rm -rf $(VENV) $(OLDEST_VENV) .venv-newest-* .hypothesis
