@@ -629,7 +629,14 @@ def dynamic_scale_value_and_grad(
 
     def unscale(results: Any, state: Any) -> Any:
         (_, value_and_aux), grads = results
-        return value_and_aux, state.unscale(grads)
+        # A non-finite loss is a skipped step even where its gradients are finite (a NaN
+        # from a term the parameters do not reach): the gradients turn NaN, so the state
+        # counts the skip and a train step that checks them (all_finite) skips it too.
+        loss_finite = all_finite(value_and_aux[0])
+        grads = jax.tree_util.tree_map(
+            lambda g: jnp.where(loss_finite, g, jnp.nan) if is_inexact_array(g) else g, state.unscale(grads)
+        )
+        return value_and_aux, grads
 
     def transform(f: Callable[..., Any]) -> Callable[..., Any]:
         if filter:

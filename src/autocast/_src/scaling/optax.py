@@ -101,9 +101,11 @@ def dynamic_loss_scaling(
             for none.
 
     Returns:
-        An ``optax.GradientTransformation``. Its ``init(params)`` returns a
-        :class:`LossScalingState`; its ``update(grads, state, params=None)`` takes the gradients
-        of the scaled loss and returns ``(updates, new_state)``, the updates unscaled.
+        An ``optax.GradientTransformationExtraArgs``. Its ``init(params)`` returns a
+        :class:`LossScalingState`; its ``update(grads, state, params=None, value=None)`` takes
+        the gradients of the scaled loss and returns ``(updates, new_state)``, the updates
+        unscaled. Give it the loss as ``value`` and a non-finite loss skips the step even
+        where the gradients are finite (this wrapper sees nothing else of the loss).
 
     Raises:
         TypeError: If ``inner`` is not an ``optax.GradientTransformation`` or is itself a
@@ -155,9 +157,17 @@ def dynamic_loss_scaling(
             )
         return LossScalingState(loss_scale, inner_state, ScalingHealth(*[jnp.zeros((), jnp.int32)] * 3))
 
-    def update(grads: Any, state: LossScalingState, params: Any = None) -> tuple[Any, LossScalingState]:
+    def update(
+        grads: Any, state: LossScalingState, params: Any = None, *, value: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScalingState]:
+        del extra_args  # other transformations' extra arguments, passed along by optax.chain
         grads = state.loss_scale.unscale(grads)
-        finite = all_finite(grads)
+        # the loss, where the caller gives it: a NaN loss skips the step even where the
+        # gradients are finite (a NaN from a term the parameters do not reach)
+        finite = all_finite(grads) if value is None else all_finite(grads) & all_finite(value)
+        grads = jax.tree_util.tree_map(
+            lambda g: jnp.where(finite, g, jnp.nan) if is_inexact_dtype(g.dtype) else g, grads
+        )
         if axis_name is not None:
             # apply_if_finite decides per device; poisoning every device's gradients when any
             # one is bad makes them all decide alike.
@@ -177,7 +187,7 @@ def dynamic_loss_scaling(
         return updates, LossScalingState(loss_scale, inner_state, health)
 
     setattr(update, _MARK, True)
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _with_floor(loss_scale: Any, floor: Any) -> Any:
