@@ -39,7 +39,7 @@ from autocast._src.transform.histories import Slots, inbox_shape
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["amax", "inbox", "loss_scale"],
+    data_fields=["amax", "inbox", "loss_scale", "measured_rows", "program_id"],
     meta_fields=["measured", "program"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,13 @@ class Fp8History:
     step measured, which :meth:`advance` turns into the next history. ``measured`` (static)
     flags, per product, the rows ``init`` could measure (an amax above zero reached them); a
     row it could not keeps current scaling. ``program`` (static) names the program ``init``
-    measured, so that a history is never used by another function. ``loss_scale`` is the loss
+    measured, so that a history is never used by another function. A checkpoint saves leaves
+    only, so both are kept in leaves as well: ``measured_rows`` holds per product an array of
+    ones whose shape spells its flags (``(2, 2, 1)`` for ``(True, True, False)``: 2 where
+    measured), and ``program_id`` the program's digest as four 16-bit numbers. A history whose
+    ``measured_rows`` disagrees with its ``measured`` (leaves restored into the structure of
+    another history) is refused when it is built, even under ``jax.jit``; rebuild a restored
+    history with :meth:`DelayedFp8.restore`. ``loss_scale`` is the loss
     scale the gradient rows were measured under (1 from ``init``): output gradients grow with
     the loss scale, so :meth:`at_loss_scale` moves those rows with it, which the loss scalers'
     ``dynamic_scale_grad`` and ``dynamic_scale_value_and_grad`` do at every step. Make one
@@ -77,6 +83,29 @@ class Fp8History:
     measured: tuple[tuple[bool, bool, bool], ...]
     program: str = ""
     loss_scale: Any = 1.0
+    measured_rows: tuple[Any, ...] | None = None
+    program_id: Any = None
+
+    def __post_init__(self) -> None:
+        # Runs whenever the history is rebuilt from leaves (tree_unflatten calls the class):
+        # after a checkpoint library restored leaves into another history's structure, its
+        # static measured would silently switch rows between current and delayed scaling.
+        # Shapes are known everywhere (tracers, abstract values), so the check needs no sync.
+        if self.measured_rows is None:
+            return
+        for i, (flags, rows) in enumerate(zip(self.measured, self.measured_rows)):
+            shape = getattr(rows, "shape", None)
+            if shape is None or len(shape) < 3:
+                continue  # a tree utility's placeholder, not an array
+            if tuple(shape[-3:]) != _rows_shape(flags):
+                raise ValueError(
+                    f"Fp8History: product {i} is built as measured {flags}, but its "
+                    f"measured_rows (the leaf that keeps measured through a checkpoint) say "
+                    f"{_flags_of(shape[-3:])}: the leaves were restored into the structure of "
+                    "another history (init on other arguments, such as trained parameters, "
+                    "measures other rows). Rebuild a restored history with "
+                    "DelayedFp8.restore(saved, *args), which reads measured from the leaves"
+                )
 
     def at_loss_scale(self, scale: Any) -> Fp8History:
         """This history for a step whose loss is multiplied by ``scale``: the output-gradient
@@ -149,6 +178,29 @@ class Fp8History:
         ``scale`` (the loss scalers' faces mark the gradients they return), so that
         :meth:`advance` brings its output-gradient amaxes to the history's own loss scale."""
         return dataclasses.replace(self, loss_scale=jnp.asarray(scale, jnp.float32))
+
+
+def _rows_shape(flags: Sequence[bool]) -> tuple[int, ...]:
+    """The shape of a product's ``measured_rows`` leaf: 2 for a measured row, 1 for another."""
+    return tuple(2 if f else 1 for f in flags)
+
+
+def _flags_of(shape: Sequence[int]) -> tuple[bool, ...]:
+    return tuple(int(n) == 2 for n in shape)
+
+
+def _program_words(program: str) -> np.ndarray:
+    """A program's 64-bit digest as four 16-bit numbers, each exact in float32 (a leaf must be
+    floating for ``jax.grad`` to take the history as an argument)."""
+    return np.array([int(program[i : i + 4], 16) for i in range(0, 16, 4)], np.float32)
+
+
+def _host(x: Any) -> np.ndarray:
+    """A small replicated leaf's value on this host (a multi-process array is not fully
+    addressable, but each process holds a full copy)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
 
 
 def _pushed(history: Any, inbox: Any, ratio: Any) -> Any:
@@ -281,15 +333,7 @@ class DelayedFp8:
                 "amp_fp8_delayed: init needs concrete arguments, not tracers (call it outside "
                 "jax.jit; it compiles its own step)"
             )
-        counted: list[Slots] = []
-
-        def count(*dyn: Any) -> list:
-            outs, slots = self._evaluate(traced, ctx, None, False, dyn)
-            counted.append(slots)
-            return outs
-
-        jax.eval_shape(count, *dyn)
-        shapes = counted[0].shapes
+        shapes = self._shapes(traced, ctx, dyn)
 
         # compiled, as the train step will be: XLA's fused elementwise code may round
         # differently from one dispatch per operation, and the amaxes should be the step's
@@ -312,9 +356,106 @@ class DelayedFp8:
             return tuple(filled), tuple(held)
 
         filled, held = measure(*dyn)
-        measured = tuple(tuple(bool(r) for r in rows) for rows in held)
+        # _host: in a multi-process program the flags are replicated over devices that
+        # this process cannot address, and every process holds a copy
+        measured = tuple(tuple(bool(r) for r in _host(rows)) for rows in held)
         zeros = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
-        return Fp8History(tuple(filled), zeros, measured, self._program(traced), jnp.float32(1.0))
+        program = self._program(traced)
+        return Fp8History(
+            tuple(filled), zeros, measured, program, jnp.float32(1.0),
+            tuple(jnp.ones(_rows_shape(f), jnp.float32) for f in measured),
+            jnp.asarray(_program_words(program)),
+        )
+
+    def _shapes(self, traced: Any, ctx: Any, dyn: Sequence[Any]) -> list[tuple[int, ...]]:
+        """The history shape of each float8 product of ``traced``, in order (counted, not run)."""
+        counted: list[Slots] = []
+
+        def count(*dyn: Any) -> list:
+            outs, slots = self._evaluate(traced, ctx, None, False, dyn)
+            counted.append(slots)
+            return outs
+
+        jax.eval_shape(count, *dyn)
+        return counted[0].shapes
+
+    def restore(self, saved: Any, *args: Any, **kwargs: Any) -> Fp8History:
+        """A history from a checkpoint, rebuilt for calls with arguments shaped like these:
+        the one call to make after restoring one.
+
+        A checkpoint keeps leaves only, and a history's structure (which rows ``init``
+        measured, which program it belongs to) is static. ``restore`` reads both from the
+        leaves that keep them (``measured_rows``, ``program_id``), so the restored history
+        scales exactly the rows the saved one did, whatever ``init`` would measure now
+        (``init`` on trained parameters measures rows that were all zeros at the start).
+
+        Args:
+            saved: The history's leaves as a checkpoint returned them: the tree a restore
+                without a target gives (a mapping with ``amax``, ``inbox``, ``loss_scale``,
+                ``measured_rows`` and ``program_id``), or an :class:`Fp8History`.
+            *args: Arguments shaped like the calls' (after the history), as for ``init``;
+                only their shapes, dtypes and structure matter.
+            **kwargs: Keyword arguments, likewise.
+
+        Returns:
+            The :class:`Fp8History`, its leaves those of ``saved``.
+
+        Raises:
+            ValueError: If ``saved`` does not fit this function on such arguments: saved by
+                another program, a history of another length, other products, or leaves
+                without ``measured_rows`` and ``program_id`` (a history made by hand).
+
+        Example:
+            >>> import autocast, jax.numpy as jnp
+            >>> f = autocast.amp_fp8_delayed(lambda w, x: (x @ w).sum(), history=4)
+            >>> w, x = jnp.ones((16, 16)), jnp.ones((16, 16))
+            >>> saved = {k: getattr(f.init(w, x), k) for k in
+            ...          ("amax", "inbox", "loss_scale", "measured_rows", "program_id")}
+            >>> f.restore(saved, w, x).measured
+            ((True, True, True),)
+            >>> g = autocast.amp_fp8_delayed(lambda w, x: (x @ w).max(), history=4)
+            >>> g.restore(saved, w, x)
+            Traceback (most recent call last):
+            ...
+            ValueError: amp_fp8_delayed.restore: this history was saved by another program ...
+        """
+        fields = ("amax", "inbox", "loss_scale", "measured_rows", "program_id")
+        if isinstance(saved, Fp8History):
+            saved = {k: getattr(saved, k) for k in fields}
+        if not hasattr(saved, "get") or saved.get("measured_rows") is None or saved.get("program_id") is None:
+            raise ValueError(
+                "amp_fp8_delayed.restore: saved must be a history's leaves, with measured_rows "
+                "and program_id (histories from init have them), as a mapping of its fields "
+                f"or an Fp8History; got {type(saved).__name__}"
+                + (f" with keys {sorted(saved)}" if hasattr(saved, "keys") else "")
+            )
+        ctx = self._amp._context()
+        traced, dyn = self._amp._traced_call(args, kwargs, ctx)
+        program = self._program(traced)
+        if not np.array_equal(_host(saved["program_id"]), _program_words(program)):
+            raise ValueError(
+                "amp_fp8_delayed.restore: this history was saved by another program (another "
+                "function, or this one on arguments of another structure), so its amaxes say "
+                "nothing of this one's products"
+            )
+        shapes = self._shapes(traced, ctx, dyn)
+        amax, inbox, rows = (tuple(saved[k]) for k in ("amax", "inbox", "measured_rows"))
+        got = [tuple(np.shape(h)) for h in amax]
+        if got != [tuple(s) for s in shapes] or len(inbox) != len(shapes) or len(rows) != len(shapes) or any(
+            tuple(np.shape(b)) != inbox_shape(s) for b, s in zip(inbox, shapes)
+        ):
+            raise ValueError(
+                f"amp_fp8_delayed.restore: the saved history's shapes {got} do not fit this "
+                f"function's float8 products on these arguments, {[tuple(s) for s in shapes]} "
+                f"(history={self.history}): restore it for the arguments it was saved with"
+            )
+        if any(len(np.shape(r)) != 3 or not set(np.shape(r)) <= {1, 2} for r in rows):
+            raise ValueError(
+                f"amp_fp8_delayed.restore: measured_rows of shapes {[np.shape(r) for r in rows]} "
+                "are not a history's (one array of shape (1 or 2,) * 3 per product)"
+            )
+        measured = tuple(_flags_of(np.shape(r)) for r in rows)
+        return Fp8History(amax, inbox, measured, program, saved["loss_scale"], rows, saved["program_id"])
 
 
 def amp_fp8_delayed(
