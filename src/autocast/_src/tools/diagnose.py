@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.extend import source_info_util
 
 from autocast import _compat
@@ -227,6 +228,7 @@ def diagnose(
     amp_fn = _amp(fn, compute_dtype=compute_dtype, amp_policy=amp_policy)
 
     def run(*args: Any, **kwargs: Any) -> Diagnosis:
+        args, kwargs = _on_one_device((args, kwargs))
         base = amp_fn._context()
         traced, values = amp_fn._traced_call(args, kwargs, base)
         sites: list[paired.Site] = []
@@ -278,6 +280,28 @@ def diagnose(
         )
 
     return run
+
+
+def _on_one_device(tree: Any) -> Any:
+    """``tree`` with every array that spans several devices brought whole to the host.
+
+    The paired evaluation reports each equation through an ordered callback, which XLA runs
+    on one device only: a batch sharded over a mesh (data-parallel, or one process's part of
+    a multi-process job) is evaluated whole instead, on this process's default device. In a
+    multi-process job this gathers the other processes' shards (every process must call
+    ``diagnose``, as for any collective), and each process then computes the same diagnosis.
+    """
+
+    def gather(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or len(x.sharding.device_set) <= 1:
+            return x
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree_util.tree_map(gather, tree)
 
 
 _SUMMARY = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?::\d+)? \((?P<fn>.*)\)$")
