@@ -7,6 +7,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, overload
 
 import jax
@@ -30,11 +31,34 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Traces kept per amp-wrapped function, most recent last (like jit's cache, but bounded).
 _TRACE_CACHE_SIZE = 64
 
-# Only arrays are traced. Every other leaf, Python floats included, is static, as Equinox's
-# filter_jit keeps it: code may branch on it (``eqx.nn.Dropout(0.0)`` checks ``p == 0`` only
-# for a Python number), so amp never turns it into a tracer the code did not ask for. A new
-# float value is a new trace; a scalar that changes every call (a learning rate, a
-# temperature) passed as an array, or amp called under jax.jit, is traced once.
+# Arrays are traced, and so are Python floats, as jax.jit traces them: a learning rate that
+# changes every call is one program. But code may branch on a float (``eqx.nn.Dropout(0.0)``
+# checks ``p == 0`` only for a Python number, as eqx.filter_jit keeps it), so where tracing
+# with floats traced fails, amp traces again with them static, and remembers that for the
+# argument structure: there a new float value is a new trace. Every other leaf is static.
+
+# Traces are shared by every amp function of the same fn and settings, as jax.jit's cache is
+# keyed on the function: ``amp(loss)(params, batch)`` written inside a loop traces once. The
+# cache holds fn weakly, and its traces do not refer to fn.
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _TraceCache:
+    """The traces of one function under one setting, and the argument structures whose
+    Python floats must stay static."""
+
+    __slots__ = ("traces", "static_floats")
+
+    def __init__(self) -> None:
+        self.traces: collections.OrderedDict = collections.OrderedDict()
+        self.static_floats: set = set()
+
+
+def _shared_cache(fn: Any, settings: tuple) -> _TraceCache:
+    try:
+        return _SHARED.setdefault(fn, {}).setdefault(settings, _TraceCache())
+    except TypeError:  # fn or a setting cannot be hashed or weakly referenced: its own cache
+        return _TraceCache()
 
 # While amp traces a function, an amp function called inside it is transparent: the
 # outermost amp's settings decide, as the outermost context does for torch.autocast.
@@ -165,7 +189,12 @@ class _Amp:
         )
         self._policy = policy
         self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
-        self._traces: collections.OrderedDict = collections.OrderedDict()
+        try:
+            policy_key: Any = frozenset(policy.items())
+        except TypeError:
+            policy_key = object()  # unhashable rules: a cache of this function's own
+        self._cache = _shared_cache(fn, (self._compute_dtype, self.fp8_recipe, policy_key))
+        self._traces = self._cache.traces
         # Name and docstring of fn, but not its __dict__: a callable object's attributes
         # would overwrite amp's own (one named _fn, say).
         functools.update_wrapper(self, fn, updated=())
@@ -252,9 +281,20 @@ class _Amp:
         """The trace for these arguments under ``ctx`` (:meth:`_context`), and the values its
         jaxpr takes: the array leaves."""
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-        traced = self._trace(in_tree, leaves, dynamic, ctx)
-        return traced, [leaves[i] for i in dynamic]
+        arrays = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        floats = [i for i, x in enumerate(leaves) if type(x) in (float, complex)]
+        if not floats or in_tree in self._cache.static_floats:
+            return self._trace(in_tree, leaves, arrays, ctx), [leaves[i] for i in arrays]
+        dynamic = sorted(arrays + floats)
+        try:
+            traced = self._trace(in_tree, leaves, dynamic, ctx)
+        except Exception:  # noqa: BLE001 - the code needs a float's value: static, as before
+            traced = self._trace(in_tree, leaves, arrays, ctx)
+            self._cache.static_floats.add(in_tree)
+            return traced, [leaves[i] for i in arrays]
+        # a traced float enters the program as jax.jit passes it: a weakly typed array
+        return traced, [_compat.convert(x, jax.dtypes.canonicalize_dtype(type(x)), weak_type=True) if i in floats
+                        else x for i, x in ((i, leaves[i]) for i in dynamic)]
 
 
 def _check_output(fn: Any, out: Any) -> None:
@@ -292,9 +332,13 @@ def amp(
     float64 values are never cast. Works under and around ``jax.jit``, ``jax.grad`` and
     ``jax.vmap``. Usable as ``@amp`` and ``@amp(compute_dtype=...)``.
 
-    Only the array leaves of the arguments are traced. Every other leaf, Python floats
-    included, is static, as in Equinox's ``filter_jit``: a new value means a new trace, so
-    pass a scalar that changes on every call (a learning rate) as an array. While an ``amp``
+    The array leaves of the arguments are traced, and so are Python floats, as ``jax.jit``
+    traces them: a new learning rate is the same program. Where the code needs a float's
+    value (it branches on it, as ``eqx.nn.Dropout(0.0)`` does), ``fn`` is traced again with
+    the floats static, as Equinox's ``filter_jit`` keeps them, and for that argument
+    structure a new value is then a new trace. Every other leaf is static. Traces are
+    shared by every ``amp`` of the same ``fn`` and settings, so re-wrapping ``fn`` on every
+    call costs no new trace, as with ``jax.jit``. While an ``amp``
     function is being traced, an ``amp`` function called inside it runs as plain ``fn``: the
     outermost one's settings apply.
 
