@@ -179,3 +179,19 @@ def test_report_on_an_equinox_module_argument():
     assert r.summary["low_precision_flop_share"] == {"forward": 1.0, "backward": 1.0}
     assert 0 < r.summary["residual_bytes"] < r.summary["residual_bytes_original"]
     assert "backward" not in r.summary
+
+
+def _mean_after_products(w, x):
+    h = jnp.tanh(x @ w)
+    return jnp.mean(h @ w)  # the cast to float32 in front of this mean is reported here
+
+
+def test_every_cast_is_placed_at_a_line_of_the_users_code():
+    import inspect
+
+    r = autocast.report(_mean_after_products, compute_dtype=jnp.bfloat16)(jnp.ones((16, 16)), jnp.ones((16, 16)))
+    lines, first = inspect.getsourcelines(_mean_after_products)
+    mean_line = first + next(i for i, text in enumerate(lines) if "jnp.mean" in text)
+    assert r.casts and all(__file__ in c.where for c in r.casts), [c.where for c in r.casts]
+    (widening,) = [c for c in r.casts if c.target == "float32"]
+    assert f"{__file__}:{mean_line}:" in widening.where  # not the library's own file

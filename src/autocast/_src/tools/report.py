@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
 from jax.extend import source_info_util
 
+from autocast import _compat
 from autocast._src.tools import measure as _measure
 from autocast._src.transform.amp import amp as _amp
 from autocast._src.tree import is_array, is_inexact_dtype
@@ -115,10 +117,34 @@ def _dtypes(values: Any) -> str:
     return ",".join(names) if names else "-"
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _where(eqn: Any) -> str:
     scope = str(eqn.source_info.name_stack)
     location = source_info_util.summarize(eqn.source_info)
     return f"{scope} @ {location}" if scope else location
+
+
+def _cast_places(jaxpr: Any) -> dict[int, str]:
+    """Where each cast of ``jaxpr`` is reported: its own line, or, for one bound by amp's own
+    code outside any equation of the user's (a region's input cast before a final sum), the
+    line of the user's equation that takes it."""
+    consumers: dict[Any, Any] = {}
+    for eqn in _measure.equations(jaxpr):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                consumers.setdefault(v, eqn)
+    places = {}
+    for eqn in _measure.float_casts(jaxpr):
+        at, hops = eqn, 0
+        while _PACKAGE in source_info_util.summarize(at.source_info) and hops < 16:
+            nxt = consumers.get(at.outvars[0])
+            if nxt is None:
+                break
+            at, hops = nxt, hops + 1
+        places[id(eqn)] = _where(at)
+    return places
 
 
 def _cotangent(out: Any) -> Any:
@@ -213,8 +239,9 @@ def report(
         original = traced.jaxpr
 
         casts: collections.Counter = collections.Counter()
+        places = _cast_places(amp_jaxpr)
         for eqn in _measure.float_casts(amp_jaxpr):
-            casts[(eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, _where(eqn))] += 1
+            casts[(eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, places[id(eqn)])] += 1
 
         every = [i for i in dynamic if is_inexact_dtype(leaves[i].dtype)]
         first = jax.tree_util.tree_structure(args[:1]).num_leaves if args else 0
