@@ -72,3 +72,29 @@ def test_command_line_version_defaults_and_missing_extra(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a))
     with pytest.raises(SystemExit, match=r"needs optax.*pip install 'jax-autocast\[demo\]'"):
         __main__.main(["diagnose"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["demo", "--steps", "0"], "--steps must be a whole number of training steps >= 1, got 0"),
+        (["demo", "--steps", "-5"], "--steps must be a whole number of training steps >= 1, got -5"),
+        (["demo", "--out", "FILE"], "is a file; give a folder"),
+        (["diagnose", "--rows", "-3"], "--rows must be a number of table rows >= 1, got -3"),
+    ],
+)
+def test_bad_arguments_get_one_line_and_nothing_runs_or_is_written(argv, says, tmp_path, monkeypatch):
+    existing = tmp_path / "figures.txt"
+    existing.write_text("kept")
+    argv = [str(existing) if a == "FILE" else a for a in argv]
+    ran = []
+    monkeypatch.setattr(demo, "run", lambda **kw: ran.append(kw))
+    monkeypatch.setattr(demo, "diagnose_demo", lambda *a, **kw: ran.append(a))
+    monkeypatch.chdir(tmp_path)
+    from autocast import __main__
+
+    with pytest.raises(SystemExit) as exit_:
+        __main__.main(argv)
+    message = str(exit_.value.code)
+    assert says in message and "\n" not in message  # sys.exit(text): status 1, text on stderr
+    assert ran == [] and existing.read_text() == "kept" and sorted(tmp_path.iterdir()) == [existing]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from typing import Any
 
@@ -39,12 +40,23 @@ def _demo_module(needs: tuple[str, ...]) -> Any:
     return run
 
 
+def _refuse(command: str, message: str) -> None:
+    """One line on stderr and exit status 2, before anything is computed or written."""
+    sys.exit(f"python -m autocast {command}: {message}")
+
+
 def _demo(args: argparse.Namespace) -> None:
+    if args.steps < 1:
+        _refuse("demo", f"--steps must be a whole number of training steps >= 1, got {args.steps}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        _refuse("demo", f"--out {args.out!r} is a file; give a folder (new or existing) for the plot and figures")
     _demo_module(("optax", "matplotlib", "tqdm")).run(steps=args.steps, out=args.out)
     print(f"plot and figures written to {args.out}/")
 
 
 def _diagnose(args: argparse.Namespace) -> None:
+    if args.rows < 1:
+        _refuse("diagnose", f"--rows must be a number of table rows >= 1, got {args.rows}")
     demo = _demo_module(("optax",))
     print(demo.diagnose_demo(args.dtype, harmful=not args.default_policy, rows=args.rows))
 
