@@ -399,7 +399,7 @@ def _scaled(x: Any) -> bool:
     return castable(x, x.dtype) and np.dtype(x.dtype).itemsize > 1
 
 
-# The smallest extent (rows, columns, contraction) of a product that runs in float8. On an
+# The smallest extent (columns, contraction) of a product that runs in float8. On an
 # H200 with JAX 0.11.2, XLA hands a float8 dot with an extent below 16 to neither cuBLASLt
 # nor Triton: it converts the float8 operands to float16, where the scaled values' products
 # (448 x 448) overflow, so a 4x4 product of ones came out inf. 16 and above came out right.
@@ -430,8 +430,11 @@ def _extents(eqn: Any) -> tuple[int, int, int]:
 def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
     """Whether a product runs in float8; the others run in the compute dtype.
 
-    - A product with an extent (rows, columns or contraction) below :data:`MIN_EXTENT` gains
-      nothing from float8 and, on a GPU, is not given to a float8 GEMM at all (see there).
+    - A product whose columns or contraction (a layer's weight dimensions) are below
+      :data:`MIN_EXTENT` gains nothing from float8 and, on a GPU, is not given to a float8
+      GEMM at all (see there). Rows are not asked: they are the batch, which ``vmap`` and
+      ``shard_map`` split, and the choice must be the same for one example, one device's
+      shard and the whole batch (a float8 history made on the batch fits each of them).
 
     - A batched product (``dot_general`` with batch dimensions: attention's ``q @ k`` and
       ``p @ v``, one small product per head) is two activations multiplied, each quantised
@@ -443,7 +446,8 @@ def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
       arithmetic: its contraction is one group's channels.
     """
     p = eqn.params
-    if min(_extents(eqn)) < MIN_EXTENT:
+    _, columns, contraction = _extents(eqn)
+    if min(columns, contraction) < MIN_EXTENT:
         return False
     if eqn.primitive.name == "dot_general":
         (_, _), (lhs_batch, _) = p["dimension_numbers"]
