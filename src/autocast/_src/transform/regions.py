@@ -27,6 +27,7 @@ keeps float32 (a matrix product that consumes it casts it down anyway, and keeps
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -207,10 +208,12 @@ _PASSED = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims"
 
 
 def _only_summed(root: Wide, resolved: dict[int, Any]) -> bool:
-    """Whether every input of the region is only summed, through casts and reshapes (a mean
-    before pooling, a loss's mean). Its backward pass then needs none of its inputs, so it
-    is emitted as plain float32 arithmetic, which keeps what float32 keeps, and not as a
-    checkpoint, which would keep the whole activation."""
+    """Whether every input of the region as large as its result or larger is only summed,
+    through casts and reshapes (a mean before pooling, a loss's mean). Its backward pass
+    then needs none of those inputs, so it is emitted as plain float32 arithmetic, which
+    keeps what float32 keeps (values smaller than the inputs), and not as a checkpoint,
+    which would keep the whole activation. Inputs smaller than the result (the scale and
+    bias of a layer norm after the pooling, a scalar) may be used in any way."""
     users: dict[int, list[Wide]] = {}
     nodes: dict[int, Wide] = {}
 
@@ -232,10 +235,13 @@ def _only_summed(root: Wide, resolved: dict[int, Any]) -> bool:
             return True
         return name in _PASSED and node is not root and all(summed(u) for u in users.get(id(node), ()))
 
+    size = math.prod(root.shape)
     for node in nodes.values():
         for arg in node.args:
             arg = resolved.get(id(arg), arg)
-            if not isinstance(arg, Wide) and not _is_constant(arg) and not summed(node):
+            if isinstance(arg, Wide) or _is_constant(arg) or math.prod(np.shape(arg)) < size:
+                continue
+            if not summed(node):
                 return False
     return True
 
