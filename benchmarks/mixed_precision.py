@@ -13,6 +13,9 @@ memory) with ratios to float32 and to the hand-cast model; "act" repeats the two
 leaving out residuals that are arguments passed through unchanged (float32 weights that a
 checkpointed layer needs again): the memory the forward pass adds.
 
+Last, GPT-2 small at its real size (``gpu_models.gpt2_loss``: 12x768, batch 8 of 1024):
+the saved activations of each variant, from the jaxpr alone (nothing runs).
+
 Run: ``.venv/bin/python benchmarks/mixed_precision.py``
 """
 
@@ -114,7 +117,40 @@ def main(names: Sequence[str] = ()) -> dict[str, dict]:
                 f"{r['activation_bytes'] / f32['activation_bytes']:7.2f} "
                 f"{r['activation_bytes'] / hand['activation_bytes']:8.2f}"
             )
+    if not names or "GPT-2 small" in names:
+        results["GPT-2 small"] = real_size_activations()
     return results
+
+
+def real_size_activations() -> dict[str, dict]:
+    """Saved activations of GPT-2 small at its real size (12 layers, d=768, batch 8 of 1024
+    tokens, attention written out), read off the jaxpr of ``jax.vjp`` with abstract inputs:
+    nothing runs, so any machine can rerun it. Arguments kept as they are (the float32
+    parameters) are left out."""
+    import functools
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gpu_models
+    import gpu_step
+
+    cfg = dict(gpu_step.MODELS["GPT-2 small"])
+    params = jax.eval_shape(lambda: gpu_models.init_gpt2(jax.random.key(0), **cfg))
+    tokens = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32)
+    loss = functools.partial(gpu_models.gpt2_loss, heads=cfg["heads"], attention="naive")
+    fns = {
+        "float32": loss,
+        "hand bf16": functools.partial(loss, hand=jnp.bfloat16),
+        "amp bf16": autocast.amp(loss, compute_dtype=jnp.bfloat16),
+    }
+    rows = {k: {"activation_bytes": _measure.residual_bytes(f, params, tokens, include_inputs=False)} for k, f in fns.items()}
+    f32, hand = rows["float32"]["activation_bytes"], rows["hand bf16"]["activation_bytes"]
+    print("GPT-2 small at real size (12x768, batch 8x1024, attention written out), saved activations:")
+    for k, r in rows.items():
+        b = r["activation_bytes"]
+        print(f"  {k:9} {b / 2**20:9.0f} MiB  act/f32 {b / f32:5.2f}  act/hand {b / hand:5.2f}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -247,14 +247,16 @@ def test_nonfinite_operands_stay_nonfinite_and_zeros_stay_zero():
     np.testing.assert_array_equal(g, jnp.zeros((3, 4)))
 
 
-def test_a_transformer_keeps_less_for_its_backward_pass_than_in_bfloat16():
-    # the products keep their float8 operands; values an elementwise derivative also needs
-    # stay in bfloat16 beside them, so a lone tanh -> matmul chain saves nothing, but the
-    # GPT's layer norms and attention products do
+def test_a_transformer_keeps_no_more_for_its_backward_pass_than_in_bfloat16():
+    # the products keep their float8 operands where bfloat16 keeps 16-bit ones (the layer
+    # norms' outputs, attention's). Both keep the GELU chain's bfloat16 input only (it is
+    # recomputed); bfloat16 recomputes the GELU's output into the product that consumes it,
+    # float8 keeps its float8 copy beside the input (recomputing it would quantise again).
+    # On this model that leaves them even: 1.004x (0.90x before bfloat16 recomputed chains)
     params, tokens = _demo_gpt()
     f8 = _measure.residual_bytes(autocast.amp(_models.gpt_loss, compute_dtype="fp8"), params, tokens, include_inputs=False)
     bf = _measure.residual_bytes(autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16), params, tokens, include_inputs=False)
-    assert f8 < 0.9 * bf
+    assert f8 < 1.02 * bf
 
 
 def test_a_users_policy_keeps_its_own_product_rows_and_fp8_can_go_to_one_scope():

@@ -170,22 +170,31 @@ def count_casts(jaxpr: Any) -> int:
 
 
 def recompute_casts(jaxpr: Any) -> int:
-    """Casts that widen a 16-bit input inside the backward pass's recomputation of amp's wide
-    regions (:mod:`autocast._src.transform.regions`): the price of keeping the 16-bit input as the residual
-    instead of its float32 copy. XLA fuses each into the kernel that consumes it.
+    """Casts inside the backward pass's recomputations that amp adds: those that widen a
+    16-bit input in a wide region (:mod:`autocast._src.transform.regions`), the price of
+    keeping the 16-bit input as the residual instead of its float32 copy, and every cast in
+    a recomputed chain (:mod:`autocast._src.transform.recompute`), where a matrix product's
+    float32 weight is kept and cast again instead of its 16-bit copy. XLA fuses the first
+    kind into the kernel that consumes it.
 
     Meaningful on the jaxpr of a gradient, where a region's forward equations stand inlined
     and only its recomputation remains a checkpoint."""
+    from autocast._src.transform.recompute import recompute_all
     from autocast._src.transform.regions import save_nothing
 
     count = 0
     for eqn in equations(jaxpr):
-        if eqn.primitive.name in _REMAT_NAMES and eqn.params.get("policy") is save_nothing:
+        if eqn.primitive.name not in _REMAT_NAMES:
+            continue
+        policy = eqn.params.get("policy")
+        if policy is save_nothing:
             count += sum(
                 1
                 for e in float_casts(eqn.params["jaxpr"])
                 if e.invars[0].aval.dtype.itemsize < e.outvars[0].aval.dtype.itemsize
             )
+        elif policy is recompute_all:
+            count += len(float_casts(eqn.params["jaxpr"]))
     return count
 
 

@@ -101,7 +101,8 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
         cast_value(x, ctx.compute_dtype) if k == SPREAD and castable(x, v.aval.dtype) else x
         for x, k, v in zip(invals, kinds, eqn.invars)
     ]
-    inner = ctx.enter(eqn)
+    # the checkpoint recomputes its body by the user's policy: no chains of amp's inside
+    inner = dataclasses.replace(ctx.enter(eqn), recompute=False)
     plan = dict(specs=[spec_of(x) for x in invals], kinds=kinds, literals=literals_of(invals))
     # a checkpointed layer's float8 products take their histories as inputs of the checkpoint
     with_histories = _retrace_with_histories(ctx, inner, jaxpr, (), plan, tuple)

@@ -43,14 +43,18 @@ from autocast import _compat
 from autocast._src.policy.casting import cast_memo, cast_value, castable
 from autocast._src.policy.precision import (
     CUSTOM_BINDINGS,
+    INPUT_PRECISION_EXPONENTS,
     PrecisionFn,
     is_compute_rule,
+    use_compute_precision,
     use_full_precision,
     use_input_precision,
     use_original_precision,
     use_own_precision,
+    use_precision_by_exponent,
+    use_widest_precision,
 )
-from autocast._src.transform import entry_points, regions
+from autocast._src.transform import entry_points, recompute, regions
 from autocast._src.tree import is_floating_dtype
 
 
@@ -126,6 +130,10 @@ class Context:
     # loop body, a branch or a re-traced call is cached and bound as one equation, so its
     # products cannot take a history per call (they keep current scaling).
     fp8_history: Any = dataclasses.field(default=None, compare=False)
+    # Whether elementwise chains may be recomputed in the backward pass
+    # (:mod:`autocast._src.transform.recompute`): not inside a checkpoint, whose policy the
+    # user chose and which recomputes its body anyway.
+    recompute: bool = True
 
     def enter(self, eqn: Any, *, in_place: bool = False) -> Context:
         """The context for the sub-jaxprs of ``eqn``. Only scopes the policy names are kept:
@@ -195,6 +203,7 @@ class Deferred:
     """
 
     __slots__ = ("eqn", "operand", "dtype", "_made")
+    deferred = True  # how recomputed chains tell one (autocast._src.transform.recompute)
 
     def __init__(self, eqn: Any, operand: Any) -> None:
         self.eqn = eqn
@@ -220,6 +229,8 @@ class Deferred:
 
 
 def _materialized(x: Any) -> Any:
+    if isinstance(x, recompute.Link):
+        return recompute.settle(x)
     return x.materialize() if isinstance(x, (Deferred, regions.Wide)) else x
 
 
@@ -251,10 +262,11 @@ class _Uses:
     softmax's ``exp``), and which ones only matrix products consume, directly or through data
     movement (a parameter gathered from its shards, an input marked as varying over devices)."""
 
-    __slots__ = ("_jaxpr", "_ctx", "_float32", "_compute")
+    __slots__ = ("_jaxpr", "_ctx", "_float32", "_compute", "_summed")
 
     def __init__(self, jaxpr: Any, ctx: Context) -> None:
         self._jaxpr, self._ctx, self._float32, self._compute = jaxpr, ctx, None, None
+        self._summed = None
 
     def feeds_float32(self, var: Any) -> bool:
         if self._float32 is None:
@@ -266,8 +278,41 @@ class _Uses:
                 for v in eqn.invars
                 if not isinstance(v, _compat.Literal)
             }
-            self._float32 = frozenset(found | self._normalised())
+            self._float32 = frozenset(found | self._normalised() | self.summed_products())
         return var in self._float32
+
+    def summed_products(self) -> frozenset:
+        if self._summed is None:
+            self._summed = frozenset(self._find_summed_products())
+        return self._summed
+
+    def _find_summed_products(self) -> set:
+        """Products of two activations that only float32 sums consume, directly or through
+        reshapes and casts that keep float32 (the dot product of a cosine similarity): they
+        join the sum's region and are computed in float32, where a 16-bit product
+        overflows float16 (320 * 480) and XLA fuses it into the sum."""
+        outputs = {v for v in self._jaxpr.outvars if not isinstance(v, _compat.Literal)}
+        summed: dict[Any, bool] = {}  # var -> whether every reader sums it
+        for eqn in reversed(self._jaxpr.eqns):
+            name = eqn.primitive.name
+            if name == "reduce_sum":
+                ok = True
+            elif name in _SUM_PASSES and eqn.outvars[0].aval.dtype == np.float32:
+                ok = all(summed.get(v, False) and v not in outputs for v in eqn.outvars)
+            else:
+                ok = False
+            for v in eqn.invars:
+                if not isinstance(v, _compat.Literal):
+                    summed[v] = summed.get(v, True) and ok
+        found = set()
+        for eqn in self._jaxpr.eqns:
+            if eqn.primitive.name != "mul" or any(isinstance(v, _compat.Literal) for v in eqn.invars):
+                continue
+            out = eqn.outvars[0]
+            if all(v.aval.shape == out.aval.shape for v in eqn.invars) and out not in outputs:
+                if summed.get(out, False):
+                    found.add(out)
+        return found
 
     def _normalised(self) -> set:
         """Variables scaled by a statistic the program computed (``* rsqrt(var + eps)`` of
@@ -319,6 +364,8 @@ class _Uses:
         return frozenset(v for v, ok in verdict.items() if ok and v not in outputs)
 
 
+# Movements through which a product reaches the sum that consumes it.
+_SUM_PASSES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose"})
 # Movements through which a statistic reaches the activation it scales.
 _STATISTIC_MOVES = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "convert_element_type"})
 
@@ -462,6 +509,10 @@ def apply_first_order(
         wide_in = any(isinstance(x, regions.Wide) for x in invals)
         if gatherable or wide_in:
             data = [k in (STRONG, RAW) for k in kinds]
+            if eqn.primitive.name == "mul" and uses is not None and eqn.outvars[0] in uses.summed_products():
+                # two activations multiplied for a sum are data whatever their kind (arrays
+                # made by jnp.full(shape, 20.) are weakly typed)
+                data = [not regions._is_constant(x) for x in invals]
             if gatherable:
                 nodes = [_as_region_input(x, ctx) for x in invals]
                 out = regions.gather(
@@ -492,6 +543,85 @@ def apply_first_order(
     custom = CUSTOM_BINDINGS.get(rule)
     outs = _compat.bind_equation(eqn, invars, params) if custom is None else custom(eqn, invars, params, ctx)
     return ctx.observed(eqn, rule, invars, outs)
+
+
+# The rules under which an elementwise equation computes in the dtype of the activation it
+# meets, so that it may be a link of a recomputed chain; a cube is one (the tanh-GELU's).
+_LINK_RULES = frozenset({use_input_precision, use_widest_precision})
+# Matrix products a chain is recomputed into (their operands are what they keep).
+_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _chains_on(ctx: Context) -> bool:
+    return _regions_on(ctx) and ctx.recompute and ctx.observer is None
+
+
+def _link_dtype(eqn: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context, uses: _Uses) -> Any:
+    """The 16-bit dtype ``eqn`` would compute in, where it may be a link of a recomputed
+    chain (:mod:`autocast._src.transform.recompute`); None where it runs as usual.
+
+    A link is an elementwise equation (or a reshape) that :func:`apply_first_order` would
+    bind in the 16-bit dtype of a full-size activation, which another link gives or which
+    amp narrowed from the program's float32: its rule keeps the input dtype, every other
+    floating input adapts to it (a bias, a scale, a literal), and it does not go into a
+    wide region (no float32 rule, no float32 input, no ``1/x``, nothing float32 after it).
+    """
+    name = eqn.primitive.name
+    if name not in recompute.LINKS or eqn.primitive.multiple_results:
+        return None
+    if eqn.outvars[0].aval.dtype != np.float32:
+        return None
+    rule = decide(eqn, ctx)
+    if rule is use_precision_by_exponent:
+        if eqn.params.get("y") not in INPUT_PRECISION_EXPONENTS or eqn.params["y"] < 0:
+            return None
+    elif rule not in _LINK_RULES:
+        return None
+    if UNMAPPED in kinds:
+        kinds = _unmapped_as(eqn, invals, kinds)
+    if RAW in kinds and name in _IMPLICIT_BROADCAST:
+        kinds = _implicitly_spread(eqn, kinds)
+    size = math.prod(eqn.outvars[0].aval.shape)
+    found = None
+    full = False  # some input is the activation: as large as the result
+    for x, k, var in zip(invals, kinds, eqn.invars):
+        if isinstance(x, regions.Wide):
+            return None
+        if isinstance(x, recompute.Link):
+            dtype, full = x.dtype, full or math.prod(x.shape) == size
+        elif k in ADAPTABLE or isinstance(x, Deferred):
+            continue
+        elif not is_floating_dtype(getattr(x, "dtype", np.int32)):
+            continue  # a predicate, an index
+        elif regions.narrowed(x, var):
+            dtype = np.dtype(x.dtype)
+            full = full or math.prod(np.shape(x)) == size
+        else:
+            return None  # a float32 input: the equation widens, or joins a region
+        if found is not None and dtype != found:
+            return None
+        found = dtype
+    if found is None or not full:
+        return None
+    divisor = invals[1] if name == "div" else None
+    if divisor is not None and math.prod(getattr(divisor, "shape", np.shape(divisor))) == size:
+        return None  # 1/x of an activation: a wide region's
+    if uses.feeds_float32(eqn.outvars[0]):
+        return None  # the shift before a softmax's exp: a wide region's
+    return found
+
+
+def _product_of_links(eqn: Any, invals: Sequence[Any], ctx: Context) -> bool:
+    """Whether ``eqn`` is a matrix product in the compute dtype with a link among its
+    operands, which is recomputed together with the chains feeding it. Not a float8
+    product: it keeps its float8 operands anyway, and recomputing it would quantise again
+    in the backward pass (one more amax pass over the activation); its chains are
+    recomputed on their own."""
+    return (
+        eqn.primitive.name in _PRODUCTS
+        and decide(eqn, ctx) is use_compute_precision
+        and any(isinstance(x, recompute.Link) for x in invals)
+    )
 
 
 def eval_jaxpr(
@@ -595,6 +725,11 @@ def _eval_jaxpr(
     kind_of: dict[Any, int] = {}
     uses = _Uses(jaxpr, ctx)
     moved: dict[Any, tuple] = {}
+    chains = _chains_on(ctx)
+
+    def bind(eqn: Any, invals: list, kinds: Sequence[int]) -> Any:
+        return apply_first_order(eqn, invals, kinds, ctx, uses, moved)
+
     for i, (var, value) in enumerate(zip(jaxpr.constvars, consts)):
         env[var] = value
         kind_of[var] = RAW if const_kinds is None else const_kinds[i]
@@ -633,6 +768,22 @@ def _eval_jaxpr(
                 env[eqn.outvars[0]] = Deferred(eqn, invals[0])
                 kind_of[eqn.outvars[0]] = kind
                 continue
+        if chains and handler is None:
+            dtype = _link_dtype(eqn, invals, kinds, ctx, uses)
+            if dtype is not None:
+                env[eqn.outvars[0]] = recompute.Link(eqn, invals, kinds, dtype, bind)
+                kind_of[eqn.outvars[0]] = kind
+                continue
+        if chains and any(isinstance(x, recompute.Link) for x in invals):
+            if handler is None and _product_of_links(eqn, invals, ctx):
+                # a region's value enters the product as apply_first_order would settle it
+                stream32, _ = regions.float32_inputs(eqn, invals, [k in (STRONG, RAW) for k in kinds])
+                invals = [regions.settle(x, np.float32 if stream32 else None) for x in invals]
+                with _compat.equation_context(eqn):
+                    out = recompute.into_product(eqn, invals, lambda xs, e=eqn, k=kinds: bind(e, xs, k))
+                env[eqn.outvars[0]], kind_of[eqn.outvars[0]] = out, kind
+                continue
+            invals = [recompute.settle(x) for x in invals]
         with _compat.equation_context(eqn):
             if handler is None:
                 outs = apply_first_order(eqn, invals, kinds, ctx, uses, moved)

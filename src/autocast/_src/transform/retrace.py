@@ -108,6 +108,7 @@ def retrace(
         id(ctx.policy),
         ctx.compute_dtype,
         ctx.scopes,
+        ctx.recompute,
     )
     held = (jaxpr, ctx.policy)
     # An observer must see every equation, and float8 histories are handed out per call, so

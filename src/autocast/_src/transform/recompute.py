@@ -1,0 +1,253 @@
+"""Recomputed chains: elementwise work in the compute dtype, kept as its inputs.
+
+Between two matrix products a model applies elementwise work to a full-size activation in
+the compute dtype: a tanh-GELU (a cube, three scalings, two additions, a ``tanh``, a product
+with its input), a SiLU, a relu, a bias. Evaluated equation by equation, ``jax.vjp`` keeps
+what each equation's derivative reads: the tanh-GELU of a transformer keeps six 16-bit
+copies of its ``[batch, seq, 4d]`` activation, the largest arrays of the step, where
+PyTorch's compiled step keeps one (its partitioner recomputes the chain in the backward).
+
+Here such equations are not bound when the interpreter reaches them. Each becomes a
+:class:`Link`, a node that records the equation, what it reads and the 16-bit dtype its
+result will have. When something that is not a link needs the value (a matrix product, a
+region, a loop, a function output), the chain is emitted:
+
+- into a matrix product in the compute dtype: the chain and the product are one
+  ``jax.checkpoint`` that keeps only the chain's inputs (and the product's other operand), so
+  the product's weight gradient reads the recomputed value and nothing of the chain is kept;
+- into anything else: the chain alone as such a checkpoint, its value leaving it;
+- either way only where that keeps fewer bytes than the equations as written would
+  (:func:`_worth_it`); else the chain is bound as written, which is what amp did before.
+
+The equations are evaluated exactly as they would be one by one (the same rule, the same
+casts), so the forward values are the same bits; on a GPU, XLA fuses the recomputation into
+the kernels of the backward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from autocast import _compat
+from autocast._src.policy.casting import cast_memo
+
+# Elementwise primitives a chain may hold (each computed in the dtype of the activation it
+# meets), and the data movement it may carry on through (a reshape of an attention output
+# on its way into the output projection).
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "select_n", "clamp", "tanh",
+    "logistic", "integer_pow", "one_minus_square",
+})
+MOVEMENT = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
+LINKS = ELEMENTWISE | MOVEMENT
+
+# What the derivative of each primitive reads, for the estimate of what a chain written
+# out keeps: its own output, or its full-size inputs (a product of two activations reads
+# both; a product with a scale reads the scale, which is small).
+_READS_OUTPUT = frozenset({"tanh", "logistic"})
+_READS_INPUTS = frozenset({"integer_pow", "max", "min", "abs", "clamp", "select_n", "mul", "div"})
+
+
+def recompute_all(*_: Any, **__: Any) -> bool:
+    """The checkpoint policy of a recomputed chain: nothing inside is kept. A function of
+    its own, so measures can tell these checkpoints from wide regions and the user's."""
+    return False
+
+
+class Link:
+    """One equation of a chain, not yet bound.
+
+    ``args`` are the equation's inputs as the interpreter holds them (other links, deferred
+    broadcasts, arrays, constants), ``kinds`` their kinds; ``bind(eqn, invals, kinds)``
+    evaluates the equation as the interpreter would. ``dtype`` is the 16-bit dtype of the
+    result, known before it is bound (the chain's activation dtype).
+    """
+
+    __slots__ = ("eqn", "args", "kinds", "dtype", "shape", "bind", "_plain", "_alone")
+
+    def __init__(self, eqn: Any, args: Sequence[Any], kinds: Sequence[int], dtype: Any, bind: Callable) -> None:
+        self.eqn = eqn
+        self.args = tuple(args)
+        self.kinds = tuple(kinds)
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(eqn.outvars[0].aval.shape)
+        self.bind = bind
+        self._plain: Any = None
+        self._alone: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return _size(self.shape) * self.dtype.itemsize
+
+
+def _size(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def _is_constant(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, int, float, bool, complex))
+
+
+def _is_deferred(x: Any) -> bool:
+    """Whether ``x`` is one of the interpreter's deferred broadcasts (the interpreter imports
+    this module, not the other way round): a class marked ``deferred = True``, with ``eqn``
+    and ``operand``, rebuilt as ``type(x)(eqn, operand)`` on the operand's value inside a
+    checkpoint, so the checkpoint keeps the small operand and not the broadcast."""
+    return getattr(type(x), "deferred", False)
+
+
+def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
+    """The links ``roots`` are computed from, in an order that evaluates each after its
+    inputs, and the chain's inputs (arrays, by identity; deferred broadcasts are replayed
+    on their operand, which is the input)."""
+    order: list[Link] = []
+    leaves: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def leaf(a: Any) -> None:
+        while _is_deferred(a):
+            a = a.operand
+        if not _is_constant(a):
+            leaves.setdefault(id(a), a)
+
+    def visit(node: Link) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for a in node.args:
+            if isinstance(a, Link):
+                visit(a)
+            else:
+                leaf(a)
+        order.append(node)
+
+    for r in roots:
+        visit(r)
+    return order, list(leaves.values())
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, Link):
+        return x.nbytes
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return 0
+    return _size(np.shape(x)) * np.dtype(dtype).itemsize
+
+
+def _kept_as_written(order: Sequence[Link]) -> int:
+    """Bytes the chain's equations keep for their derivatives when bound one by one (an
+    estimate: what each primitive's derivative reads, each value counted once)."""
+    kept: dict[int, int] = {}
+    for node in order:
+        name = node.eqn.primitive.name
+        if name in _READS_OUTPUT:
+            kept[id(node)] = node.nbytes
+        elif name in _READS_INPUTS:
+            data = [a for a in node.args if not _is_constant(a) and not _is_deferred(a)]
+            if name in ("mul", "div") and len(data) < 2 and len(node.args) == 2:
+                # a product with a scale or a constant reads only the scale (small)
+                data = [a for a in data if tuple(np.shape(a) if not isinstance(a, Link) else a.shape) != node.shape]
+            for a in data:
+                kept[id(a)] = _nbytes(a)
+    return sum(kept.values())
+
+
+def _worth_it(order: Sequence[Link], leaves: Sequence[Any], read_by_consumer: int) -> bool:
+    """Whether recomputing the chain keeps fewer bytes than binding it as written: its
+    inputs against what its equations keep, plus what the consumer keeps of its value
+    (a matrix product keeps its operand for the weight gradient)."""
+    kept = sum(_nbytes(x) for x in leaves)
+    written = _kept_as_written(order) + read_by_consumer
+    if all(n.eqn.primitive.name in MOVEMENT for n in order):
+        # a reshape into a product: the product keeps the reshaped input's own buffer,
+        # which its producer may keep too (a fused attention keeps its output)
+        return kept <= written
+    return kept < written
+
+
+def _checkpointed(order: Sequence[Link], leaves: Sequence[Any], finish: Callable[[Callable], Any]) -> Any:
+    """``finish(value_of)`` traced inside a checkpoint that recomputes the chain ``order``
+    from ``leaves``; ``value_of(x)`` is the value of a link or other input there."""
+    position = {id(x): i for i, x in enumerate(leaves)}
+
+    def region(*values: Any) -> Any:
+        with cast_memo():  # casts of the inputs happen inside, not shared with the outside
+            done: dict[int, Any] = {}
+
+            def value_of(a: Any) -> Any:
+                if isinstance(a, Link):
+                    return done[id(a)]
+                if _is_deferred(a):
+                    return type(a)(a.eqn, value_of(a.operand))
+                hit = position.get(id(a))
+                return a if hit is None else values[hit]
+
+            for node in order:
+                with _compat.equation_context(node.eqn):
+                    done[id(node)] = _checked(node, node.bind(node.eqn, [value_of(a) for a in node.args], node.kinds))
+            return finish(value_of)
+
+    return jax.checkpoint(region, prevent_cse=False, policy=recompute_all)(*leaves)
+
+
+def _checked(node: Link, value: Any) -> Any:
+    if getattr(value, "dtype", None) != node.dtype:
+        raise AssertionError(
+            f"amp's recomputed chain expected {node.eqn.primitive.name} to give {node.dtype}, "
+            f"got {type(value).__name__} {getattr(value, 'dtype', None)}; please report this"
+        )
+    return value
+
+
+def _plain(node: Link) -> Any:
+    """The link bound as written, in the current trace (once)."""
+    if node._plain is None:
+        order, _ = _walk([node])
+        for n in order:
+            if n._plain is None:
+                args = [settle_plain(a) for a in n.args]
+                with _compat.equation_context(n.eqn):
+                    n._plain = _checked(n, n.bind(n.eqn, args, n.kinds))
+    return node._plain
+
+
+def settle_plain(x: Any) -> Any:
+    return _plain(x) if isinstance(x, Link) else x
+
+
+def settle(x: Any) -> Any:
+    """``x``'s value, emitted if it is a link: recomputed in the backward pass where that
+    keeps fewer bytes, else as written. Emitted once per link."""
+    if not isinstance(x, Link):
+        return x
+    if x._alone is None:
+        if x._plain is not None:
+            return x._plain
+        order, leaves = _walk([x])
+        if _worth_it(order, leaves, 0):
+            x._alone = _checkpointed(order, leaves, lambda value_of: value_of(x))
+        else:
+            return _plain(x)
+    return x._alone
+
+
+def into_product(eqn: Any, invals: Sequence[Any], bind: Callable[[Sequence[Any]], Any]) -> Any:
+    """The matrix product ``eqn`` of ``invals`` (some of them links), bound by ``bind``
+    together with the chains feeding it in one checkpoint where that keeps fewer bytes;
+    else with its chains settled."""
+    roots = [x for x in invals if isinstance(x, Link)]
+    order, leaves = _walk(roots)
+    if any(r._plain is not None for r in roots) or not _worth_it(order, leaves, sum(r.nbytes for r in roots)):
+        return bind([settle(x) for x in invals])
+    known = {id(x) for x in leaves}
+    for x in invals:
+        while _is_deferred(x):
+            x = x.operand
+        if not isinstance(x, Link) and not _is_constant(x) and id(x) not in known:
+            known.add(id(x))
+            leaves.append(x)
+    return _checkpointed(order, leaves, lambda value_of: bind([value_of(x) for x in invals]))

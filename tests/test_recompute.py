@@ -1,0 +1,197 @@
+"""Recomputed chains (autocast._src.transform.recompute), summed products under float16 and
+a pooled activation kept once: read off residuals and jaxprs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autocast
+from autocast._src.tools import measure as _measure
+from autocast._src.transform.recompute import recompute_all
+
+BF16, F16 = jnp.bfloat16, jnp.float16
+KEY = jax.random.PRNGKey(0)
+
+
+def _mlp_args(d=32, hidden=128, rows=64):
+    k1, k2, k3 = jax.random.split(KEY, 3)
+    return (
+        jax.random.normal(k1, (d, hidden)) / np.sqrt(d),
+        jax.random.normal(k2, (hidden, d)) / np.sqrt(hidden),
+        jax.random.normal(k3, (rows, d)),
+    )
+
+
+def _gelu_mlp(w1, w2, x):
+    return jnp.sum((jax.nn.gelu(x @ w1) @ w2) ** 2)
+
+
+def residual_avals(fn, *args):
+    """The avals of what jax.vjp keeps, arguments left out."""
+    jaxpr = jax.make_jaxpr(lambda *a: jax.tree_util.tree_leaves(jax.vjp(fn, *a)[1]))(*args).jaxpr
+    inputs = set(jaxpr.invars)
+    return [v.aval for v in jaxpr.outvars if isinstance(v, jax.extend.core.Literal) or v not in inputs]
+
+
+def hidden_residuals(fn, *args, shape):
+    return [a for a in residual_avals(fn, *args) if tuple(a.shape) == shape]
+
+
+def recomputed_checkpoints(jaxpr):
+    return sum(
+        1 for e in _measure.equations(jaxpr) if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is recompute_all
+    )
+
+
+def test_a_tanh_gelu_between_products_keeps_only_its_input():
+    args = _mlp_args()
+    amp = autocast.amp(_gelu_mlp, compute_dtype=BF16)
+    kept = hidden_residuals(amp, *args, shape=(64, 128))
+    # the product's output, the GELU's input: nothing of the chain, not the GELU's output
+    # (the second product's weight gradient reads it recomputed); 6 arrays before
+    assert [a.dtype for a in kept] == [BF16]
+    assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args)) == 1
+    # the float32 program keeps more than twice as much
+    assert _measure.residual_bytes(amp, *args, include_inputs=False) < 0.4 * _measure.residual_bytes(
+        _gelu_mlp, *args, include_inputs=False
+    )
+
+
+def test_recomputation_gives_the_same_bits_forward_and_backward():
+    # inside a checkpoint amp recomputes no chains (the checkpoint does): the same program
+    # evaluated equation by equation
+    args = _mlp_args()
+    amp = autocast.amp(_gelu_mlp, compute_dtype=BF16)
+    plain = autocast.amp(jax.checkpoint(_gelu_mlp), compute_dtype=BF16)
+    assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(plain))(*args)) == 0
+    (l1, g1), (l2, g2) = jax.jit(jax.value_and_grad(amp, argnums=(0, 1, 2)))(*args), jax.jit(
+        jax.value_and_grad(plain, argnums=(0, 1, 2))
+    )(*args)
+    assert float(l1) == float(l2)
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_relu_into_a_product_keeps_one_array_and_a_sum_of_two_is_not_recomputed():
+    w1, w2, x = _mlp_args()
+    # written out (jax.nn.relu is a custom_jvp rule, which a chain does not enter)
+    relu = lambda w1, w2, x: jnp.sum((jnp.maximum(x @ w1 + 0.5, 0.0) @ w2) ** 2)  # noqa: E731
+    amp = autocast.amp(relu, compute_dtype=BF16)
+    assert len(hidden_residuals(amp, w1, w2, x, shape=(64, 128))) == 1
+    assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(amp))(w1, w2, x)) == 1
+    # x @ w1 + x @ w1' into a product: recomputing would keep two arrays where the product
+    # keeps one; it is bound as written
+    added = lambda w1, w2, x: jnp.sum(((x @ w1) + (x @ (2 * w1))) @ w2)  # noqa: E731
+    amp = autocast.amp(added, compute_dtype=BF16)
+    assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(amp))(w1, w2, x)) == 0
+    assert len(hidden_residuals(amp, w1, w2, x, shape=(64, 128))) == 1
+
+
+def test_chains_in_a_scan_body_and_under_vmap():
+    w1, w2, x = _mlp_args()
+    ws1, ws2 = jnp.stack([w1, w1]), jnp.stack([w2, w2])
+
+    def scanned(ws1, ws2, x):
+        def body(h, w):
+            return h + jax.nn.gelu(h @ w[0]) @ w[1], None
+
+        return jnp.sum(jax.lax.scan(body, x, (ws1, ws2))[0] ** 2)
+
+    amp = autocast.amp(scanned, compute_dtype=BF16)
+    assert len(hidden_residuals(amp, ws1, ws2, x, shape=(2, 64, 128))) == 1
+    # vmap on either side: the same chain, one kept array per layer
+    per_row = lambda w1, w2, x: _gelu_mlp(w1, w2, x[None])  # noqa: E731
+    for fn in (jax.vmap(autocast.amp(per_row, compute_dtype=BF16), (None, None, 0)),
+               autocast.amp(jax.vmap(per_row, (None, None, 0)), compute_dtype=BF16)):
+        kept = hidden_residuals(fn, w1, w2, x, shape=(64, 1, 128)) + hidden_residuals(fn, w1, w2, x, shape=(64, 128))
+        assert len(kept) == 1
+
+
+def test_float8_products_keep_their_operand_and_the_chain_only_its_input():
+    w1, w2, x = _mlp_args(d=32, hidden=128, rows=64)
+    amp = autocast.amp(_gelu_mlp, compute_dtype="fp8")
+    kept = hidden_residuals(amp, w1, w2, x, shape=(64, 128))
+    # the chain's bfloat16 input and the float8 copy the second product quantised
+    assert sorted(str(a.dtype) for a in kept) == ["bfloat16", "float8_e4m3fn"]
+
+
+def test_a_reshape_into_a_product_keeps_the_array_it_reshapes():
+    # attention's output [batch, seq, heads, c] reshaped into the output projection: the
+    # projection keeps the attention output itself, which a fused attention keeps anyway
+    # (cuDNN's does), not a reshaped copy
+    def f(q, k, w):
+        a = jnp.einsum("bqhc,bkhc->bqhc", q, k)
+        return jnp.sum((a.reshape(q.shape[0], q.shape[1], -1) @ w) ** 2)
+
+    q, w = jax.random.normal(KEY, (2, 16, 4, 8)), jax.random.normal(KEY, (32, 8))
+    amp = autocast.amp(f, compute_dtype=BF16)
+    assert hidden_residuals(amp, q, q, w, shape=(2, 16, 32)) == []
+    assert [a.dtype for a in hidden_residuals(amp, q, q, w, shape=(2, 16, 4, 8))] == [BF16]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_product_of_two_activations_for_a_sum_runs_in_float32(dtype):
+    # issue 28, item 3: 320 * 480 overflows float16
+    x, w = jnp.full((2, 8), 20.0), jnp.full((8, 4), 2.0)
+
+    def cosine(x, w):
+        a, b = x @ w, x @ (1.5 * w)
+        return jnp.sum(a * b, -1) / (jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1))
+
+    def dot(x, w):
+        return ((x @ w) * (x @ (1.5 * w))).sum(-1)
+
+    np.testing.assert_allclose(autocast.amp(cosine, compute_dtype=dtype)(x, w), [1.0, 1.0], rtol=1e-3)
+    np.testing.assert_allclose(autocast.amp(dot, compute_dtype=dtype)(x, w), [614400.0] * 2, rtol=1e-2)
+    # also with strongly typed inputs, and the gradient is finite
+    xs, ws = x.astype(jnp.float32), w.astype(jnp.float32)
+    np.testing.assert_allclose(autocast.amp(dot, compute_dtype=dtype)(xs, ws), [614400.0] * 2, rtol=1e-2)
+    g = jax.grad(lambda x, w: autocast.amp(cosine, compute_dtype=dtype)(x, w).sum(), argnums=1)(xs, ws)
+    assert bool(jnp.all(jnp.isfinite(g)))
+
+
+def test_a_product_used_elsewhere_too_stays_16_bit():
+    # only a product that nothing but a sum reads moves to float32
+    x, w = jax.random.normal(KEY, (4, 8)), jax.random.normal(KEY, (8, 8))
+
+    def f(x, w):
+        p = (x @ w) * (x @ (2 * w))
+        return p.sum(-1), p
+
+    jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=F16))(x, w)
+    muls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul" and e.outvars[0].aval.shape == (4, 8)]
+    assert [str(e.outvars[0].aval.dtype) for e in muls] == ["float16"]
+
+
+def test_an_equinox_cnn_tail_keeps_its_pooled_activation_once():
+    eqx = pytest.importorskip("equinox")
+    k = jax.random.split(KEY, 3)
+
+    class CNN(eqx.Module):
+        conv: eqx.nn.Conv2d
+        norm: eqx.nn.LayerNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, k):
+            self.conv = eqx.nn.Conv2d(3, 32, 3, padding=1, key=k[0])
+            self.norm = eqx.nn.LayerNorm(32)  # with scale and bias
+            self.head = eqx.nn.Linear(32, 10, key=k[1])
+
+        def __call__(self, x):
+            return self.head(self.norm(jax.nn.relu(self.conv(x)).mean(axis=(1, 2))))
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    m, x = CNN(k), jax.random.normal(k[2], (8, 3, 16, 16))
+    amp = autocast.amp(loss, compute_dtype=BF16)
+    # the relu's output is only summed by the mean: the region of mean and layer norm keeps
+    # none of it (it kept the relu's bfloat16 output beside the relu's own residuals, 0.96x
+    # float32's bytes)
+    full = [a for a in residual_avals(amp, m, x) if math.prod(a.shape) == 8 * 32 * 16 * 16 and a.dtype == BF16]
+    assert len(full) == 1  # the zeros jax.nn.relu's derivative keeps (float32 keeps them too)
+    ratio = _measure.residual_bytes(amp, m, x, include_inputs=False) / _measure.residual_bytes(loss, m, x, include_inputs=False)
+    assert ratio < 0.65
