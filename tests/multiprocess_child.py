@@ -16,14 +16,38 @@ import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autocast
+import autocast.optax
+from autocast import _compat
+
 PROCESSES = int(os.environ.get("MP_PROCESSES", "1"))
 PROCESS_ID = int(os.environ.get("MP_ID", "0"))
 DEVICES = 4
-# Before jax is imported: the host devices this process simulates.
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES // PROCESSES}"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+MESH: jax.sharding.Mesh  # set by start(): a mesh of every device of the job
+# Optimiser states are made replicated over the mesh, counters included: left to jit, a
+# counter that depends on no input lands on one device, and a checkpoint restored into it
+# would keep it there, apart from the mesh's arrays.
+REPLICATED: NamedSharding
 
-import jax  # noqa: E402
+
+def start() -> None:
+    """This process's devices, the job joined, the mesh built. Called by main only, so that
+    importing this file (pytest collects it for doctests) changes nothing."""
+    global MESH, REPLICATED
+    # before the backend starts: the host devices this process simulates
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES // PROCESSES}"
+    join_processes()
+    assert jax.device_count() == DEVICES and jax.process_count() == PROCESSES, jax.devices()
+    MESH = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    REPLICATED = NamedSharding(MESH, P())
 
 
 def join_processes() -> None:
@@ -42,25 +66,6 @@ def join_processes() -> None:
     )
 
 
-join_processes()
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import autocast  # noqa: E402
-import autocast.optax  # noqa: E402
-from autocast import _compat  # noqa: E402
-
-assert jax.device_count() == DEVICES and jax.process_count() == PROCESSES, jax.devices()
-MESH = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
-# Optimiser states are made replicated over the mesh, counters included: left to jit, a
-# counter that depends on no input lands on one device, and a checkpoint restored into it
-# would keep it there, apart from the mesh's arrays.
-REPLICATED = NamedSharding(MESH, P())
 BATCH, D_IN, D_HID, D_OUT = 32, 16, 32, 16  # float8 products need extents of 16 and more
 POISON_ROW = 29  # rows 24..31 live on the mesh's last device, in process 1 of 2
 STEPS = 6
@@ -382,6 +387,7 @@ def main() -> None:
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--phase", choices=("train", "resume"), required=True)
     args = parser.parse_args()
+    start()
     results = {}
     if args.phase == "train":
         for name, case in COMPARISON_CASES.items():
