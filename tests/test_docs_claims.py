@@ -104,10 +104,11 @@ def test_python_floats_are_traced_and_ints_static():
     assert out[2].weak_type and jax.jit(fn, static_argnums=(3, 4))(x, 0.3, 2j, 3, True)[2].weak_type
 
 
-def test_a_python_float_argument_reaches_an_entry_point_in_the_compute_dtype():
+def test_a_python_float_argument_reaches_an_entry_point_as_jit_passes_it():
     # fused_attention.md: "Python scalars written in the code pass through unchanged. A Python
-    # float that is an argument of the function amp wraps is traced ..., so it reaches the
-    # entry point as a float32 scalar and is cast to the compute dtype with the arrays."
+    # float that is an argument of the function amp wraps is traced ..., as jax.jit traces it:
+    # it reaches the entry point as a weakly typed float32 scalar ... and is not cast to the
+    # compute dtype with the arrays."
     seen = []
 
     @autocast.in_compute_dtype
@@ -120,7 +121,7 @@ def test_a_python_float_argument_reaches_an_entry_point_in_the_compute_dtype():
     autocast.amp(lambda q, s: kernel(q, s).sum(), compute_dtype=jnp.bfloat16)(q, 0.1)
     written, argument = seen
     assert type(written) is float and written == 0.1
-    assert argument.dtype == jnp.bfloat16
+    assert argument.dtype == jnp.float32 and argument.weak_type
 
 
 def test_float8_init_needs_concrete_arguments_and_starts_at_loss_scale_one():

@@ -66,15 +66,22 @@ def _target_dtype() -> np.dtype | None:
     return compute_dtype
 
 
+def _number(x: Any) -> bool:
+    """A weakly typed scalar: a Python number the user passed, which amp traces as jax.jit
+    does (a softmax scale, an epsilon). It reaches the kernel as it is, as under jax.jit,
+    not rounded to 16 bits."""
+    return np.ndim(x) == 0 and bool(getattr(_compat.aval_of(x), "weak_type", False))
+
+
 def _narrowed(x: Any, dtype: np.dtype) -> Any:
-    if is_array(x) and castable(x, x.dtype) and np.dtype(x.dtype).itemsize > dtype.itemsize:
+    if is_array(x) and castable(x, x.dtype) and np.dtype(x.dtype).itemsize > dtype.itemsize and not _number(x):
         return cast_value(x, dtype)
     return x
 
 
 def _call(fn: Callable[..., Any], dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
     leaves = jax.tree_util.tree_leaves((args, kwargs))
-    wide = [x.dtype for x in leaves if is_array(x) and castable(x, x.dtype)]
+    wide = [x.dtype for x in leaves if is_array(x) and castable(x, x.dtype) and not _number(x)]
     if not wide:
         return fn(*args, **kwargs)
     back = max((np.dtype(d) for d in wide), key=lambda d: d.itemsize)
@@ -102,7 +109,8 @@ def in_compute_dtype(
     entry point where it may pick cuDNN's kernel). Usable as ``@in_compute_dtype`` and
     ``@in_compute_dtype(when=...)``.
 
-    Only floating-point array arguments wider than the compute dtype are cast (never float64);
+    Only floating-point array arguments wider than the compute dtype are cast (never float64,
+    nor a weakly typed scalar: a Python number passed to the wrapped function, kept as it is);
     floating results in the compute dtype are cast back to the widest of those arguments' dtypes,
     so the traced program keeps its signature, and amp's interpreter drops that cast again.
 
