@@ -292,18 +292,14 @@ class _Uses:
         join the sum's region and are computed in float32, where a 16-bit product
         overflows float16 (320 * 480) and XLA fuses it into the sum."""
         outputs = {v for v in self._jaxpr.outvars if not isinstance(v, _compat.Literal)}
-        summed: dict[Any, bool] = {}  # var -> whether every reader sums it
-        for eqn in reversed(self._jaxpr.eqns):
-            name = eqn.primitive.name
-            if name == "reduce_sum":
-                ok = True
-            elif name in _SUM_PASSES and eqn.outvars[0].aval.dtype == np.float32:
-                ok = all(summed.get(v, False) and v not in outputs for v in eqn.outvars)
-            else:
-                ok = False
-            for v in eqn.invars:
-                if not isinstance(v, _compat.Literal):
-                    summed[v] = summed.get(v, True) and ok
+
+        def sums(eqn: Any, passes_on: Callable[[Any], bool]) -> bool:
+            if eqn.primitive.name == "reduce_sum":
+                return True
+            passes = eqn.primitive.name in _SUM_PASSES and eqn.outvars[0].aval.dtype == np.float32
+            return passes and passes_on(eqn)
+
+        summed = _every_reader(self._jaxpr.eqns, outputs, sums)  # var -> whether every reader sums it
         found = set()
         for eqn in self._jaxpr.eqns:
             if eqn.primitive.name != "mul" or any(isinstance(v, _compat.Literal) for v in eqn.invars):
@@ -347,20 +343,16 @@ class _Uses:
     def _only_compute(self) -> frozenset:
         # Backwards over the equations, so a movement's outputs are judged before its input.
         outputs = {v for v in self._jaxpr.outvars if not isinstance(v, _compat.Literal)}
-        verdict: dict[Any, bool] = {}
-        for eqn in reversed(self._jaxpr.eqns):
-            name = eqn.primitive.name
+
+        def computes(eqn: Any, passes_on: Callable[[Any], bool]) -> bool:
             if is_compute_rule(decide(eqn, self._ctx)):
                 # a matrix product; a jit or loop in a compute-precision scope may pass the
                 # value on unchanged, so it is not one
-                ok = not _compat.sub_jaxpr_params(eqn.params)
-            elif name in _MOVEMENT and name != "convert_element_type":
-                ok = all(verdict.get(v, False) and v not in outputs for v in eqn.outvars)
-            else:
-                ok = False
-            for v in eqn.invars:
-                if not isinstance(v, _compat.Literal):
-                    verdict[v] = verdict.get(v, True) and ok
+                return not _compat.sub_jaxpr_params(eqn.params)
+            name = eqn.primitive.name
+            return name in _MOVEMENT and name != "convert_element_type" and passes_on(eqn)
+
+        verdict = _every_reader(self._jaxpr.eqns, outputs, computes)
         return frozenset(v for v, ok in verdict.items() if ok and v not in outputs)
 
 
@@ -622,6 +614,26 @@ def _product_of_links(eqn: Any, invals: Sequence[Any], ctx: Context) -> bool:
         and decide(eqn, ctx) is use_compute_precision
         and any(isinstance(x, recompute.Link) for x in invals)
     )
+
+
+def _every_reader(
+    eqns: Sequence[Any], outputs: set, accepts: Callable[[Any, Callable[[Any], bool]], bool]
+) -> dict[Any, bool]:
+    """``{var: whether every equation reading it is accepted}``, judged backwards over
+    ``eqns`` so that an equation's outputs are judged before its inputs. ``accepts(eqn,
+    passes_on)`` decides an equation; ``passes_on(eqn)`` says whether every reader of its
+    outputs was accepted and none is a program output (for equations that pass values on)."""
+    verdict: dict[Any, bool] = {}
+
+    def passes_on(eqn: Any) -> bool:
+        return all(verdict.get(v, False) and v not in outputs for v in eqn.outvars)
+
+    for eqn in reversed(eqns):
+        ok = accepts(eqn, passes_on)
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                verdict[v] = verdict.get(v, True) and ok
+    return verdict
 
 
 def eval_jaxpr(
