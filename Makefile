@@ -55,6 +55,8 @@ bench: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The edit-test loop: everything but the tests marked slow (CI runs them all, with make test).

@@ -17,7 +17,9 @@ def first_history(loss: Callable[..., Any], params: Any, *batch: Any) -> Any:
     return loss.init(params, *batch) if isinstance(loss, autocast.DelayedFp8) else None
 
 
-def loss_and_grads(loss: Callable[..., Any], history: Any, params: Any, *batch: Any) -> tuple[Any, Any, Any]:
+def loss_and_grads(
+    loss: Callable[..., Any], history: Any, params: Any, *batch: Any
+) -> tuple[Any, Any, Any]:
     """One step's loss value, the next float8 history (None when ``history`` is) and the
     parameters' gradients: a delayed-scaling loss takes its history first and advances it."""
     if history is None:
@@ -42,7 +44,9 @@ def final_loss(
     optimizer = optax.adam(1e-3)
 
     @jax.jit
-    def step(history: Any, params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, Any, jax.Array]:
+    def step(
+        history: Any, params: Any, opt_state: Any, i: jax.Array
+    ) -> tuple[Any, Any, Any, jax.Array]:
         value, history, grads = loss_and_grads(loss, history, params, *batches(i))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return history, optax.apply_updates(params, updates), opt_state, value

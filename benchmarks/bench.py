@@ -92,7 +92,10 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def run_step(results: dict, options: argparse.Namespace) -> None:
     print(f"== {jax.default_backend()}: gradient step time and peak memory ==")
-    print(f"{'model':15} {'variant':9} {'step ms':>8} {'vs f32':>6} {'planned MB':>10} {'vs f32':>6} {'device MB':>9}")
+    print(
+        f"{'model':15} {'variant':9} {'step ms':>8} {'vs f32':>6} "
+        f"{'planned MB':>10} {'vs f32':>6} {'device MB':>9}"
+    )
     step = results["step"] = {}
     for name, loss_fn, model_args in mixed_precision.models(options.models):
         step[name] = figures = step_figures(loss_fn, model_args, options.step_repeats)
@@ -144,7 +147,8 @@ def run_parallel(results: dict, options: argparse.Namespace) -> None:
         done = subprocess.run(
             [sys.executable, str(HERE / "tensor_parallel.py"), "--json", str(out)],
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
-            text=True, capture_output=True,
+            text=True,
+            capture_output=True,
         )
         print(done.stdout, end="")
         if done.returncode:
@@ -157,11 +161,17 @@ def run_trace(results: dict, options: argparse.Namespace) -> None:
     key = jax.random.PRNGKey(0)
     params = _models.init_gpt(key, layers=12, d=64, seq=32)
     tokens = _models.gpt_batch(key, seq=32)
-    plain = lambda: (lambda p, t: _models.gpt_loss(p, t))  # noqa: E731
+    plain = lambda: lambda p, t: _models.gpt_loss(p, t)  # noqa: E731
     amped = lambda: autocast.amp(lambda p, t: _models.gpt_loss(p, t), compute_dtype=jnp.bfloat16)  # noqa: E731
     trace_overhead.best_of_interleaved(plain, amped, (params, tokens), 1)
-    base, mixed = trace_overhead.best_of_interleaved(plain, amped, (params, tokens), options.repeats)
-    results["trace_overhead"] = {"plain_ms": 1e3 * base, "amp_ms": 1e3 * mixed, "ratio": mixed / base}
+    base, mixed = trace_overhead.best_of_interleaved(
+        plain, amped, (params, tokens), options.repeats
+    )
+    results["trace_overhead"] = {
+        "plain_ms": 1e3 * base,
+        "amp_ms": 1e3 * mixed,
+        "ratio": mixed / base,
+    }
     print(f"{1e3 * base:.1f} ms -> {1e3 * mixed:.1f} ms: {mixed / base:.2f}x")
 
 
@@ -189,9 +199,16 @@ def run_diagnose(results: dict, options: argparse.Namespace) -> None:
 
 
 RUNNERS = {
-    "jaxpr": run_jaxpr, "families": run_families, "torch": run_torch, "parallel": run_parallel,
-    "trace": run_trace, "third_party": run_third_party, "fp8": run_fp8, "diagnose": run_diagnose,
-    "step": run_step, "gpu": run_gpu,
+    "jaxpr": run_jaxpr,
+    "families": run_families,
+    "torch": run_torch,
+    "parallel": run_parallel,
+    "trace": run_trace,
+    "third_party": run_third_party,
+    "fp8": run_fp8,
+    "diagnose": run_diagnose,
+    "step": run_step,
+    "gpu": run_gpu,
 }
 SECTIONS = tuple(RUNNERS)
 
@@ -200,13 +217,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the chosen sections; returns (and writes to ``--json``) their figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=str(HERE / "results.json"))
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
-    parser.add_argument("--models", default="", help="comma-separated jaxpr/step model names (default: all)")
-    parser.add_argument("--repeats", type=int, default=15, help="trace-overhead repeats")
-    parser.add_argument("--step-repeats", type=int, default=20, help="timed gradient steps per variant")
-    parser.add_argument("--train-steps", type=int, default=200, help="training steps per model-family run")
     parser.add_argument(
-        "--step-figures", action="store_true",
+        "--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}"
+    )
+    parser.add_argument(
+        "--models", default="", help="comma-separated jaxpr/step model names (default: all)"
+    )
+    parser.add_argument("--repeats", type=int, default=15, help="trace-overhead repeats")
+    parser.add_argument(
+        "--step-repeats", type=int, default=20, help="timed gradient steps per variant"
+    )
+    parser.add_argument(
+        "--train-steps", type=int, default=200, help="training steps per model-family run"
+    )
+    parser.add_argument(
+        "--step-figures",
+        action="store_true",
         help="measure step time and peak memory on any backend (default: on a GPU only)",
     )
     options = parser.parse_args(argv)

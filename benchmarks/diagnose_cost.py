@@ -49,7 +49,9 @@ def main(dtype: str = "bfloat16") -> dict[str, dict]:
     print(f"{'form':22} {'amp first call s':>16} {'diagnose s':>10} {'ratio':>6} {'equations':>9}")
     rows = {}
     for name, fn, args in forms():
-        amp_s, _ = _seconds(lambda: jax.block_until_ready(autocast.amp(fn, compute_dtype=dtype)(*args)))
+        amp_s, _ = _seconds(
+            lambda: jax.block_until_ready(autocast.amp(fn, compute_dtype=dtype)(*args))
+        )
         diag_s, d = _seconds(lambda: autocast.diagnose(fn, compute_dtype=dtype)(*args))
         rows[name] = {"amp_s": amp_s, "diagnose_s": diag_s, "equations": len(d.entries)}
         print(f"{name:22} {amp_s:16.2f} {diag_s:10.2f} {diag_s / amp_s:5.1f}x {len(d.entries):9d}")

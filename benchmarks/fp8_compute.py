@@ -85,7 +85,8 @@ def main() -> dict[str, dict]:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     print(
         f"{'model':15} {'variant':9} {'8b fwd':>7} {'8b bwd':>7} {'e5m2 bwd':>8} {'grad err':>8} "
-        f"{'act/bf16':>8} {'bytes/bf16':>10} {'q passes':>8} {'serial':>6} {'trained':>8} {'vs bf16':>7}"
+        f"{'act/bf16':>8} {'bytes/bf16':>10} {'q passes':>8} {'serial':>6} "
+        f"{'trained':>8} {'vs bf16':>7}"
     )
     results: dict[str, dict] = {}
     for name, loss_fn, args in _models_to_measure():
@@ -110,7 +111,8 @@ def main() -> dict[str, dict]:
             # the whole step: delayed scaling's also makes the next history
             whole, whole_args = (
                 (jax.value_and_grad(delayed, argnums=(0, 1)), (history, *args))
-                if variant == "fp8 delay" else (step, args)
+                if variant == "fp8 delay"
+                else (step, args)
             )
             step_jaxpr = jax.make_jaxpr(whole)(*whole_args)
             rows[variant] = {
@@ -123,16 +125,21 @@ def main() -> dict[str, dict]:
             }
             if name == "GPT small" and variant != "fp8 all":
                 trained = delayed if variant == "fp8 delay" else fn  # the history carried along
-                rows[variant]["trained"] = _training.final_loss(trained, args[0], _gpt_tokens, TRAIN_STEPS, last=10)
+                rows[variant]["trained"] = _training.final_loss(
+                    trained, args[0], _gpt_tokens, TRAIN_STEPS, last=10
+                )
         for variant, r in rows.items():
             trained = (
                 f"{r['trained']:8.4f} {r['trained'] / rows['amp bf16']['trained'] - 1:+7.2%}"
-                if "trained" in r else f"{'-':>8} {'-':>7}"
+                if "trained" in r
+                else f"{'-':>8} {'-':>7}"
             )
             print(
-                f"{name:15} {variant:9} {r['fp8_fwd']:7.1%} {r['fp8_bwd']:7.1%} {r['e5m2_bwd']:8.1%} "
+                f"{name:15} {variant:9} {r['fp8_fwd']:7.1%} {r['fp8_bwd']:7.1%} "
+                f"{r['e5m2_bwd']:8.1%} "
                 f"{r['grad_err']:8.4f} {r['act'] / rows['amp bf16']['act']:8.2f} "
-                f"{r['bytes'] / rows['amp bf16']['bytes']:10.2f} {r['q_passes']:8d} {r['serial']:6d} {trained}"
+                f"{r['bytes'] / rows['amp bf16']['bytes']:10.2f} {r['q_passes']:8d} "
+                f"{r['serial']:6d} {trained}"
             )
     return results
 

@@ -33,7 +33,11 @@ import autocast
 from autocast._src import fp8
 
 HERE = Path(__file__).parent
-SHAPES = {"GPT-2 medium fc": (8192, 1024, 4096), "decoder fc": (4096, 2048, 8192), "decoder qkv": (4096, 2048, 6144)}
+SHAPES = {
+    "GPT-2 medium fc": (8192, 1024, 4096),
+    "decoder fc": (4096, 2048, 8192),
+    "decoder qkv": (4096, 2048, 6144),
+}
 TINY = {"tiny": (64, 32, 48)}
 VARIANTS = ("bf16", "fp8 direct", "fp8 dequantised", "delay direct", "delay dequantised")
 
@@ -73,8 +77,14 @@ def _step(variant: str, x: jax.Array, w: jax.Array) -> tuple[Callable[..., Any],
 
 def _f8_calls(hlo: str) -> tuple[int, str]:
     """How many float8 GEMM custom calls the optimised HLO makes, and their result types."""
-    calls = [line for line in hlo.splitlines() if "custom-call(" in line and "f8" in line.split("custom_call_target=")[-1]]
-    kinds = sorted({m.group(1) for line in calls for m in [re.search(r"=\s*\(?\s*(\w+)\[", line)] if m})
+    calls = [
+        line
+        for line in hlo.splitlines()
+        if "custom-call(" in line and "f8" in line.split("custom_call_target=")[-1]
+    ]
+    kinds = sorted(
+        {m.group(1) for line in calls for m in [re.search(r"=\s*\(?\s*(\w+)\[", line)] if m}
+    )
     return len(calls), ",".join(kinds) or "-"
 
 
@@ -102,19 +112,30 @@ def measure(variant: str, shape: tuple[int, int, int], repeats: int) -> dict:
     finally:
         fp8._GEMM_FORM = previous
     calls, kinds = _f8_calls(hlo)
-    return {"ms": ms, "f8_gemms": calls, "f8_result": kinds, "fusions": hlo.count(" fusion("), "all_ones_right": ones_ok}
+    return {
+        "ms": ms,
+        "f8_gemms": calls,
+        "f8_result": kinds,
+        "fusions": hlo.count(" fusion("),
+        "all_ones_right": ones_ok,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a CPU-sized shape (the tests run this)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a CPU-sized shape (the tests run this)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default=str(HERE / "fp8_gemm.json"))
     options = parser.parse_args(argv)
     shapes = TINY if options.tiny else SHAPES
     results: dict[str, dict] = {}
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"{'shape':16} {'variant':18} {'ms':>8} {'f8 GEMMs':>8} {'result':>10} {'fusions':>7} {'ones ok':>7}")
+    print(
+        f"{'shape':16} {'variant':18} {'ms':>8} {'f8 GEMMs':>8} {'result':>10} "
+        f"{'fusions':>7} {'ones ok':>7}"
+    )
     for name, shape in shapes.items():
         for variant in VARIANTS:
             r = measure(variant, shape, options.repeats)

@@ -29,9 +29,13 @@ Params = dict[str, Any]
 
 # ---- GPT-2-style decoder -------------------------------------------------------------------
 
+
 def init_gpt2(key: jax.Array, *, vocab: int, d: int, layers: int, seq: int, **_: Any) -> Params:
     def dense(k: jax.Array, n_in: int, n_out: int, scale: float = 0.02) -> Params:
-        return {"w": jax.random.normal(k, (layers, n_in, n_out)) * scale, "b": jnp.zeros((layers, n_out))}
+        return {
+            "w": jax.random.normal(k, (layers, n_in, n_out)) * scale,
+            "b": jnp.zeros((layers, n_out)),
+        }
 
     def norm() -> Params:
         return {"g": jnp.ones((layers, d)), "b": jnp.zeros((layers, d))}
@@ -42,8 +46,12 @@ def init_gpt2(key: jax.Array, *, vocab: int, d: int, layers: int, seq: int, **_:
         "wte": jax.random.normal(k[0], (vocab, d)) * 0.02,
         "wpe": jax.random.normal(k[1], (seq, d)) * 0.01,
         "blocks": {
-            "ln1": norm(), "qkv": dense(k[2], d, 3 * d), "proj": dense(k[3], d, d, out_scale),
-            "ln2": norm(), "fc": dense(k[4], d, 4 * d), "out": dense(k[5], 4 * d, d, out_scale),
+            "ln1": norm(),
+            "qkv": dense(k[2], d, 3 * d),
+            "proj": dense(k[3], d, d, out_scale),
+            "ln2": norm(),
+            "fc": dense(k[4], d, 4 * d),
+            "out": dense(k[5], 4 * d, d, out_scale),
         },
         "ln_f": {"g": jnp.ones((d,)), "b": jnp.zeros((d,))},
     }
@@ -52,7 +60,9 @@ def init_gpt2(key: jax.Array, *, vocab: int, d: int, layers: int, seq: int, **_:
 def _layer_norm(p: Params, x: jax.Array, hand: Any) -> jax.Array:
     y = x.astype(jnp.float32) if hand is not None else x
     mean = y.mean(-1, keepdims=True)
-    y = (y - mean) * jax.lax.rsqrt(((y - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * p["g"] + p["b"]
+    y = (y - mean) * jax.lax.rsqrt(((y - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * p["g"] + p[
+        "b"
+    ]
     return y.astype(x.dtype)
 
 
@@ -74,7 +84,9 @@ def gpt2_loss(
 ) -> jax.Array:
     """Next-token cross-entropy; ``tokens`` is ``(batch, seq + 1)``."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    cast = (lambda t: jax.tree_util.tree_map(lambda a: a.astype(hand), t)) if hand else (lambda t: t)
+    cast = (
+        (lambda t: jax.tree_util.tree_map(lambda a: a.astype(hand), t)) if hand else (lambda t: t)
+    )
     wte = cast(params["wte"])
     x = wte[inputs] + cast(params["wpe"])[: inputs.shape[1]]
     b, t, d = x.shape
@@ -83,7 +95,11 @@ def gpt2_loss(
         p = cast(p)
         qkv = _layer_norm(p["ln1"], x, hand) @ p["qkv"]["w"] + p["qkv"]["b"]
         q, k, v = (z.reshape(b, t, heads, d // heads) for z in jnp.split(qkv, 3, axis=-1))
-        x = x + _attention(q, k, v, attention, hand).reshape(b, t, d) @ p["proj"]["w"] + p["proj"]["b"]
+        x = (
+            x
+            + _attention(q, k, v, attention, hand).reshape(b, t, d) @ p["proj"]["w"]
+            + p["proj"]["b"]
+        )
         h = jax.nn.gelu(_layer_norm(p["ln2"], x, hand) @ p["fc"]["w"] + p["fc"]["b"])
         return x + h @ p["out"]["w"] + p["out"]["b"], None
 
@@ -103,10 +119,13 @@ def gpt2_batch(step: jax.Array, *, batch: int, seq: int, vocab: int, **_: Any) -
     k0, kr, km = jax.random.split(jax.random.fold_in(jax.random.key(4), step), 3)
     start = jax.random.randint(k0, (batch, 1), 0, vocab)
     t = (start + 7 * jnp.arange(seq + 1)) % vocab
-    return jnp.where(jax.random.uniform(km, t.shape) < 0.1, jax.random.randint(kr, t.shape, 0, vocab), t)
+    return jnp.where(
+        jax.random.uniform(km, t.shape) < 0.1, jax.random.randint(kr, t.shape, 0, vocab), t
+    )
 
 
 # ---- ResNet-18 -------------------------------------------------------------------------------
+
 
 class _Residual(nn.Module):
     width: int
@@ -120,7 +139,9 @@ class _Residual(nn.Module):
         y = nn.relu(norm()(y))
         y = norm()(nn.Conv(self.width, (3, 3), use_bias=False, dtype=self.dtype)(y))
         if self.stride != 1 or x.shape[-1] != self.width:
-            x = norm()(nn.Conv(self.width, (1, 1), self.stride, use_bias=False, dtype=self.dtype)(x))
+            x = norm()(
+                nn.Conv(self.width, (1, 1), self.stride, use_bias=False, dtype=self.dtype)(x)
+            )
         return nn.relu(x + y)
 
 
@@ -153,12 +174,20 @@ def resnet_loss(model: ResNet18) -> Any:
     return loss
 
 
-def image_batch(step: jax.Array, *, batch: int, size: int, classes: int, **_: Any) -> tuple[jax.Array, jax.Array]:
+def image_batch(
+    step: jax.Array, *, batch: int, size: int, classes: int, **_: Any
+) -> tuple[jax.Array, jax.Array]:
     """Stripe images whose orientation is the class, under noise, and their labels."""
     angle = jnp.arange(classes) * jnp.pi / classes
     ky, kn = jax.random.split(jax.random.fold_in(jax.random.key(3), step))
     y = jax.random.randint(ky, (batch,), 0, classes)
-    r, c = jnp.meshgrid(jnp.arange(size, dtype=jnp.float32), jnp.arange(size, dtype=jnp.float32), indexing="ij")
-    phase = 0.3 * (r[None] * jnp.cos(angle[y])[:, None, None] + c[None] * jnp.sin(angle[y])[:, None, None])
-    x = jnp.sin(phase)[..., None] * jnp.ones(3) + 0.5 * jax.random.normal(kn, (batch, size, size, 3))
+    r, c = jnp.meshgrid(
+        jnp.arange(size, dtype=jnp.float32), jnp.arange(size, dtype=jnp.float32), indexing="ij"
+    )
+    phase = 0.3 * (
+        r[None] * jnp.cos(angle[y])[:, None, None] + c[None] * jnp.sin(angle[y])[:, None, None]
+    )
+    x = jnp.sin(phase)[..., None] * jnp.ones(3) + 0.5 * jax.random.normal(
+        kn, (batch, size, size, 3)
+    )
     return x, y

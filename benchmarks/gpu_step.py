@@ -45,8 +45,12 @@ HERE = Path(__file__).parent
 GPT_VOCAB = 50304
 MODELS: dict[str, dict[str, Any]] = {
     "GPT-2 small": dict(kind="gpt", layers=12, d=768, heads=12, seq=1024, batch=8, vocab=GPT_VOCAB),
-    "GPT-2 medium": dict(kind="gpt", layers=24, d=1024, heads=16, seq=1024, batch=8, vocab=GPT_VOCAB),
-    "decoder 24x2048": dict(kind="gpt", layers=24, d=2048, heads=16, seq=1024, batch=4, vocab=GPT_VOCAB),
+    "GPT-2 medium": dict(
+        kind="gpt", layers=24, d=1024, heads=16, seq=1024, batch=8, vocab=GPT_VOCAB
+    ),
+    "decoder 24x2048": dict(
+        kind="gpt", layers=24, d=2048, heads=16, seq=1024, batch=4, vocab=GPT_VOCAB
+    ),
     "ResNet-18": dict(kind="resnet", batch=128, size=224, classes=1000, width=64),
 }
 TINY: dict[str, dict[str, Any]] = {
@@ -65,7 +69,10 @@ ATTENTIONS = ("naive", "fused")
 
 
 def runs(
-    models: Sequence[str], torch: bool, variants: Sequence[str] = (), attentions: Sequence[str] = ATTENTIONS
+    models: Sequence[str],
+    torch: bool,
+    variants: Sequence[str] = (),
+    attentions: Sequence[str] = ATTENTIONS,
 ) -> list[tuple[str, str, str]]:
     """(model, variant, attention) of every run, in table order; ``variants`` (empty: all)
     and ``attentions`` narrow them."""
@@ -80,6 +87,7 @@ def runs(
 
 
 # ---- one run, in its own process -------------------------------------------------------------
+
 
 def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any, float]:
     """The jitted AdamW step ``((history, params), opt_state, i) -> (same, loss)`` (the
@@ -118,7 +126,9 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(state: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
         history, params = state
-        value, history, grads = _training.loss_and_grads(loss, history, params, gpu_models.gpt2_batch(i, **config))
+        value, history, grads = _training.loss_and_grads(
+            loss, history, params, gpu_models.gpt2_batch(i, **config)
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (history, optax.apply_updates(params, updates)), opt_state, value
 
@@ -146,14 +156,17 @@ def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(variables: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
         (value, stats), grads = jax.value_and_grad(
-            lambda p: loss({**variables, "params": p}, *gpu_models.image_batch(i, **config)), has_aux=True
+            lambda p: loss({**variables, "params": p}, *gpu_models.image_batch(i, **config)),
+            has_aux=True,
         )(variables["params"])
         updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
         params = optax.apply_updates(variables["params"], updates)
         return {"params": params, "batch_stats": stats}, opt_state, value
 
     # the unoptimised forward program's FLOPs: no compile needed for them
-    forward = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])).lower(variables, images)
+    forward = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])).lower(
+        variables, images
+    )
     cost = forward.cost_analysis()
     if not cost:  # a GPU backend of JAX 0.11 has none before compiling
         cost = forward.compile().cost_analysis()
@@ -199,11 +212,15 @@ def run_torch(config: dict, variant: str, attention: str, steps: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_default_device(device)
     torch.manual_seed(0)
-    params = torch_autocast.init_gpt(vocab=config["vocab"], d=config["d"], layers=config["layers"], seq=config["seq"])
+    params = torch_autocast.init_gpt(
+        vocab=config["vocab"], d=config["d"], layers=config["layers"], seq=config["seq"]
+    )
     leaves = torch_autocast._tensors(params)
     optimizer = torch.optim.AdamW(leaves, lr=3e-4, weight_decay=0.1)
     loss_fn = functools.partial(
-        torch_autocast.gpt_loss, heads=config["heads"], attention="sdpa" if attention == "fused" else "naive"
+        torch_autocast.gpt_loss,
+        heads=config["heads"],
+        attention="sdpa" if attention == "fused" else "naive",
     )
     if variant == "torch compile":
         loss_fn = torch.compile(loss_fn)
@@ -257,14 +274,30 @@ def _one(argv: Sequence[str]) -> None:
 
 # ---- the table -------------------------------------------------------------------------------
 
-def _spawn(model: str, variant: str, attention: str, steps: int, tiny: bool, timeout: float | None = None) -> dict:
+
+def _spawn(
+    model: str, variant: str, attention: str, steps: int, tiny: bool, timeout: float | None = None
+) -> dict:
     """One run in a process of its own; its figures, or ``{"error": why}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--one", model, variant, attention, str(steps), str(int(tiny)), str(out)],
-                text=True, capture_output=True, env=os.environ.copy(), timeout=timeout,
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    model,
+                    variant,
+                    attention,
+                    str(steps),
+                    str(int(tiny)),
+                    str(out),
+                ],
+                text=True,
+                capture_output=True,
+                env=os.environ.copy(),
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired:
             return {"error": f"took longer than {timeout:g} s"}
@@ -287,18 +320,33 @@ def main(argv: Sequence[str] | None = None) -> dict:
     returns ``{model: {"variant / attention": figures}}``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models (the tests run this)")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (after 2 warm-up steps)")
-    parser.add_argument("--torch", action="store_true", help="add torch.autocast runs (needs PyTorch and CUDA)")
-    parser.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
-    parser.add_argument("--attention", default=",".join(ATTENTIONS), help="comma-separated: naive, fused")
     parser.add_argument(
-        "--rows", default="",
+        "--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed steps per run (after 2 warm-up steps)"
+    )
+    parser.add_argument(
+        "--torch", action="store_true", help="add torch.autocast runs (needs PyTorch and CUDA)"
+    )
+    parser.add_argument(
+        "--variants", default="", help="comma-separated variants to run (default: all)"
+    )
+    parser.add_argument(
+        "--attention", default=",".join(ATTENTIONS), help="comma-separated: naive, fused"
+    )
+    parser.add_argument(
+        "--rows",
+        default="",
         help="runs in this order, instead of the table: 'MODEL/VARIANT/ATTENTION;...' "
         f"(variants also {', '.join(FORM_VARIANTS)})",
     )
-    parser.add_argument("--timeout", type=float, default=None, help="seconds one run may take (default: no limit)")
-    parser.add_argument("--json", default=str(HERE / "gpu_step.json"), help="where the figures are written")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds one run may take (default: no limit)"
+    )
+    parser.add_argument(
+        "--json", default=str(HERE / "gpu_step.json"), help="where the figures are written"
+    )
     options = parser.parse_args(argv)
     models = [m for m in options.models.split(",") if m]
     unknown = sorted(set(models) - set(MODELS))
@@ -310,9 +358,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if options.rows:
         chosen = [_row(text, parser) for text in options.rows.split(";") if text.strip()]
     else:
-        chosen = runs(models, torch, [v for v in options.variants.split(",") if v], options.attention.split(","))
+        chosen = runs(
+            models,
+            torch,
+            [v for v in options.variants.split(",") if v],
+            options.attention.split(","),
+        )
     results: dict[str, dict] = {}
-    print(f"{'model':16} {'variant':16} {'attention':9} {'step ms':>8} {'TFLOP/s':>8} {'peak MiB':>9} {'loss':>7}", flush=True)
+    print(
+        f"{'model':16} {'variant':16} {'attention':9} {'step ms':>8} {'TFLOP/s':>8} "
+        f"{'peak MiB':>9} {'loss':>7}",
+        flush=True,
+    )
     for model, variant, attention in chosen:
         r = _spawn(model, variant, attention, options.steps, options.tiny, options.timeout)
         results.setdefault(model, {})[f"{variant} / {attention}"] = r
@@ -321,10 +378,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if "error" in r:
             print(f"{model:16} {variant:16} {attention:9} failed: {r['error']}", flush=True)
             continue
-        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}" + ("" if r["peak_is_device"] else "*")
+        peak = (
+            "-"
+            if r["peak_bytes"] is None
+            else f"{r['peak_bytes'] / 2**20:.1f}" + ("" if r["peak_is_device"] else "*")
+        )
         print(
             f"{model:16} {variant:16} {attention:9} {r['step_ms']:8.1f} {r['tflops']:8.2f} "
-            f"{peak:>9} {r['loss']:7.3f}", flush=True,
+            f"{peak:>9} {r['loss']:7.3f}",
+            flush=True,
         )
     print("(* the compiled program's planned peak: this device reports no peak of its own)")
     return results
@@ -333,8 +395,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
 def _row(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
     """``MODEL/VARIANT/ATTENTION`` of ``--rows``, checked against the known names."""
     parts = [p.strip() for p in text.split("/")]
-    kinds = {**{v: "gpt" for v in (*GPT_VARIANTS, *FORM_VARIANTS, *TORCH_VARIANTS)}, **{v: "resnet" for v in RESNET_VARIANTS}}
-    if len(parts) != 3 or parts[0] not in MODELS or parts[1] not in kinds or parts[2] not in (*ATTENTIONS, "-"):
+    kinds = {
+        **{v: "gpt" for v in (*GPT_VARIANTS, *FORM_VARIANTS, *TORCH_VARIANTS)},
+        **{v: "resnet" for v in RESNET_VARIANTS},
+    }
+    if (
+        len(parts) != 3
+        or parts[0] not in MODELS
+        or parts[1] not in kinds
+        or parts[2] not in (*ATTENTIONS, "-")
+    ):
         parser.error(f"--rows: {text!r} is not MODEL/VARIANT/ATTENTION with known names")
     return parts[0], parts[1], parts[2]
 

@@ -59,7 +59,11 @@ def models(names: Sequence[str] = ()):
         yield "MLP", _models.mlp_loss, (mlp_params, x, y)
     if chosen("GPT small"):  # the demo's model and batch
         small = _models.init_gpt(key, vocab=64, d=64, layers=2, seq=32)
-        yield "GPT small", _models.gpt_loss, (small, _models.gpt_batch(key, batch=16, seq=32, vocab=64))
+        yield (
+            "GPT small",
+            _models.gpt_loss,
+            (small, _models.gpt_batch(key, batch=16, seq=32, vocab=64)),
+        )
     forms = [
         (("GPT scan" if scan else "GPT") + (" +ckpt" if remat else ""), scan, remat)
         for scan in (False, True)
@@ -98,9 +102,11 @@ def variants(loss_fn: Callable[..., Any], fp8: bool = False) -> dict[str, Callab
 def main(names: Sequence[str] = ()) -> dict[str, dict]:
     """Prints the table; returns model -> variant -> measures."""
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
-    header = f"{'model':14} {'variant':9} {'loss':>7} {'dev':>6} {'bf16 fwd':>8} {'bf16 bwd':>8} " \
-             f"{'casts f/b':>9} {'waste':>5} {'resid MB':>8} {'vs f32':>6} {'vs hand':>7} " \
-             f"{'act/f32':>7} {'act/hand':>8}"
+    header = (
+        f"{'model':14} {'variant':9} {'loss':>7} {'dev':>6} {'bf16 fwd':>8} {'bf16 bwd':>8} "
+        f"{'casts f/b':>9} {'waste':>5} {'resid MB':>8} {'vs f32':>6} {'vs hand':>7} "
+        f"{'act/f32':>7} {'act/hand':>8}"
+    )
     print(header)
     results = {}
     for name, loss_fn, args in models(names):
@@ -144,9 +150,14 @@ def real_size_activations() -> dict[str, dict]:
         "hand bf16": functools.partial(loss, hand=jnp.bfloat16),
         "amp bf16": autocast.amp(loss, compute_dtype=jnp.bfloat16),
     }
-    rows = {k: {"activation_bytes": _measure.residual_bytes(f, params, tokens, include_inputs=False)} for k, f in fns.items()}
+    rows = {
+        k: {"activation_bytes": _measure.residual_bytes(f, params, tokens, include_inputs=False)}
+        for k, f in fns.items()
+    }
     f32, hand = rows["float32"]["activation_bytes"], rows["hand bf16"]["activation_bytes"]
-    print("GPT-2 small at real size (12x768, batch 8x1024, attention written out), saved activations:")
+    print(
+        "GPT-2 small at real size (12x768, batch 8x1024, attention written out), saved activations:"
+    )
     for k, r in rows.items():
         b = r["activation_bytes"]
         print(f"  {k:9} {b / 2**20:9.0f} MiB  act/f32 {b / f32:5.2f}  act/hand {b / hand:5.2f}")

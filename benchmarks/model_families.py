@@ -60,7 +60,11 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.relu(nn.BatchNorm(use_running_average=False, dtype=self.dtype)(nn.Conv(32, (3, 3), dtype=self.dtype)(x)))
+        x = nn.relu(
+            nn.BatchNorm(use_running_average=False, dtype=self.dtype)(
+                nn.Conv(32, (3, 3), dtype=self.dtype)(x)
+            )
+        )
         for _ in range(3):
             y = nn.Conv(32, (3, 3), dtype=self.dtype)(x)
             y = nn.relu(nn.BatchNorm(use_running_average=False, dtype=self.dtype)(y))
@@ -118,7 +122,10 @@ class LinenGPT(nn.Module):
         x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
         x = x + nn.Embed(tokens.shape[1], self.width, dtype=self.dtype)(jnp.arange(tokens.shape[1]))
         blocks = nn.scan(
-            nn.remat(GPTBlock), variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth
+            nn.remat(GPTBlock),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.depth,
         )
         x, _ = blocks(self.dtype)(x, None)
         return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
@@ -146,13 +153,17 @@ def families() -> list[tuple[str, Callable[[Any], nn.Module], Batches]]:
     ]
 
 
-def generated_images(step: jax.Array, batch: int = 8, noise: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def generated_images(
+    step: jax.Array, batch: int = 8, noise: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
     """A fresh batch of 32x32 RGB images for each training step, with labels: each of 10
     classes is a tinted stripe pattern of its own orientation under Gaussian noise, so a
     conv net learns it but the loss levels off above zero."""
     angle = jnp.arange(10) * jnp.pi / 10
     r, c = jnp.meshgrid(jnp.arange(32.0), jnp.arange(32.0), indexing="ij")
-    phase = 0.8 * (r[None] * jnp.cos(angle)[:, None, None] + c[None] * jnp.sin(angle)[:, None, None])
+    phase = 0.8 * (
+        r[None] * jnp.cos(angle)[:, None, None] + c[None] * jnp.sin(angle)[:, None, None]
+    )
     tint = jax.random.uniform(jax.random.key(2), (10, 1, 1, 3), minval=0.5, maxval=1.5)
     patterns = jnp.sin(phase)[..., None] * tint
     ky, kn = jax.random.split(jax.random.fold_in(jax.random.key(3), step))
@@ -160,13 +171,17 @@ def generated_images(step: jax.Array, batch: int = 8, noise: float = 1.0) -> tup
     return patterns[y] + noise * jax.random.normal(kn, (batch, 32, 32, 3)), y
 
 
-def generated_tokens(step: jax.Array, batch: int = 16, seq: int = 32, vocab: int = 64) -> tuple[jax.Array, jax.Array]:
+def generated_tokens(
+    step: jax.Array, batch: int = 16, seq: int = 32, vocab: int = 64
+) -> tuple[jax.Array, jax.Array]:
     """Token windows and their next tokens, ``(batch, seq)`` each: a sequence that mostly
     steps by a fixed stride from a random start, with 10% of tokens replaced at random."""
     k0, kr, km = jax.random.split(jax.random.fold_in(jax.random.key(4), step), 3)
     start = jax.random.randint(k0, (batch, 1), 0, vocab)
     t = (start + 7 * jnp.arange(seq + 1)) % vocab
-    t = jnp.where(jax.random.uniform(km, t.shape) < 0.1, jax.random.randint(kr, t.shape, 0, vocab), t)
+    t = jnp.where(
+        jax.random.uniform(km, t.shape) < 0.1, jax.random.randint(kr, t.shape, 0, vocab), t
+    )
     return t[:, :-1], t[:, 1:]
 
 
@@ -175,13 +190,17 @@ def train(loss: Callable[..., jax.Array], params: Any, batches: Batches, steps: 
     return _training.final_loss(loss, params, batches, steps, last=20)
 
 
-def setup(make: Callable[[Any], nn.Module], batches: Batches) -> tuple[Callable[..., jax.Array], Any, Any, Any]:
+def setup(
+    make: Callable[[Any], nn.Module], batches: Batches
+) -> tuple[Callable[..., jax.Array], Any, Any, Any]:
     """The float32 loss, initial parameters and first batch ``(x, y)`` of a family."""
     x, y = batches(jnp.asarray(0))
     return _loss_fn(make(None)), make(None).init(jax.random.key(1), x), x, y
 
 
-def measure(make: Callable[[Any], nn.Module], batches: Batches, steps: int = 200) -> dict[str, dict]:
+def measure(
+    make: Callable[[Any], nn.Module], batches: Batches, steps: int = 200
+) -> dict[str, dict]:
     """Each variant's measures on the first batch, and its loss after ``steps`` of training
     (none when 0)."""
     f32_loss, params, x, y = setup(make, batches)
@@ -203,7 +222,9 @@ def measure(make: Callable[[Any], nn.Module], batches: Batches, steps: int = 200
             rows[name]["trained"] = train(fn, params, batches, steps)
     if steps:
         for r in rows.values():
-            r["trained_dev"] = abs(r["trained"] - rows["float32"]["trained"]) / rows["float32"]["trained"]
+            r["trained_dev"] = (
+                abs(r["trained"] - rows["float32"]["trained"]) / rows["float32"]["trained"]
+            )
     return rows
 
 
@@ -218,10 +239,14 @@ def main(steps: int = 200) -> dict[str, dict]:
     for name, make, batches in families():
         rows = results[name] = measure(make, batches, steps)
         for variant, r in rows.items():
-            trained = f"{r['trained']:8.4f} {r['trained_dev']:6.2%}" if steps else f"{'-':>8} {'-':>6}"
+            trained = (
+                f"{r['trained']:8.4f} {r['trained_dev']:6.2%}" if steps else f"{'-':>8} {'-':>6}"
+            )
             print(
-                f"{name:14} {variant:9} {r['act'] / 2**20:7.2f} {r['act'] / rows['float32']['act']:7.2f} "
-                f"{r['act'] / rows['own bf16']['act']:7.2f} {r['loss_dev']:8.2%} {r['grad_err']:8.4f} {trained}"
+                f"{name:14} {variant:9} {r['act'] / 2**20:7.2f} "
+                f"{r['act'] / rows['float32']['act']:7.2f} "
+                f"{r['act'] / rows['own bf16']['act']:7.2f} {r['loss_dev']:8.2%} "
+                f"{r['grad_err']:8.4f} {trained}"
             )
     return results
 

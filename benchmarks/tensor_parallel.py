@@ -42,10 +42,19 @@ from autocast._src.tools import measure as _measure  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import _training  # noqa: E402
 
-COLLECTIVES = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "ppermute",
-    "all_to_all", "reduce_scatter",
-})
+COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_gather_invariant",
+        "ppermute",
+        "all_to_all",
+        "reduce_scatter",
+    }
+)
 WIDTH, HIDDEN, DEPTH, BATCH = 128, 512, 2, 64
 
 
@@ -104,7 +113,9 @@ def main(steps: int = 50) -> dict[str, dict]:
     """Prints the table; returns variant -> measures."""
     devices = jax.devices()
     if len(devices) < 8:
-        raise RuntimeError(f"needs 8 devices, found {len(devices)}: run this file as its own process")
+        raise RuntimeError(
+            f"needs 8 devices, found {len(devices)}: run this file as its own process"
+        )
     mesh = jax.sharding.Mesh(np.array(devices[:8]), ("tp",))
     loss = make_loss(mesh)
     params = init(jax.random.key(0))
@@ -120,12 +131,20 @@ def main(steps: int = 50) -> dict[str, dict]:
             "bytes": nbytes,
             "collectives": sorted(set(seen)),
             "loss": float(value),
-            "grads_float32_finite": all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) for g in leaves),
+            "grads_float32_finite": all(
+                g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) for g in leaves
+            ),
             "trained": train(fn, params, steps) if steps else None,
         }
     ref = rows["float32"]
-    print(f"jax {jax.__version__}, {len(devices)} CPU devices; MLP d={WIDTH} hidden={HIDDEN} x{DEPTH}, batch {BATCH}")
-    print(f"{'variant':9} {'KB/step':>8} {'vs f32':>6} {'loss':>7} {'dev':>6} {'trained':>8} {'dev':>6} {'grads':>6}  collectives")
+    print(
+        f"jax {jax.__version__}, {len(devices)} CPU devices; "
+        f"MLP d={WIDTH} hidden={HIDDEN} x{DEPTH}, batch {BATCH}"
+    )
+    print(
+        f"{'variant':9} {'KB/step':>8} {'vs f32':>6} {'loss':>7} {'dev':>6} "
+        f"{'trained':>8} {'dev':>6} {'grads':>6}  collectives"
+    )
     for name, r in rows.items():
         r["loss_dev"] = abs(r["loss"] - ref["loss"]) / ref["loss"]
         r["trained_dev"] = abs(r["trained"] - ref["trained"]) / ref["trained"] if steps else None
@@ -133,14 +152,17 @@ def main(steps: int = 50) -> dict[str, dict]:
         kinds = ", ".join(f"{p} {d}" for p, d in r["collectives"])
         print(
             f"{name:9} {r['bytes'] / 1024:8.1f} {r['bytes'] / ref['bytes']:6.2f} {r['loss']:7.4f} "
-            f"{r['loss_dev']:6.2%} {trained} {'ok' if r['grads_float32_finite'] else 'BAD':>6}  {kinds}"
+            f"{r['loss_dev']:6.2%} {trained} "
+            f"{'ok' if r['grads_float32_finite'] else 'BAD':>6}  {kinds}"
         )
     return rows
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50, help="Adam steps per training run (0: none)")
+    parser.add_argument(
+        "--steps", type=int, default=50, help="Adam steps per training run (0: none)"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     options = parser.parse_args()
     results = main(options.steps)

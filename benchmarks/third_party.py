@@ -69,9 +69,16 @@ def cases() -> list[tuple[str, Callable[..., Any], tuple]]:
     def ode(adjoint: Any) -> Callable[..., Any]:
         def loss(model: Any) -> Any:
             sol = diffrax.diffeqsolve(
-                diffrax.ODETerm(lambda t, y, m: m(y)), diffrax.Tsit5(), 0.0, 1.0, 0.1,
-                jnp.array([1.0, 0.0]), args=model, saveat=diffrax.SaveAt(ts=ts),
-                stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4), adjoint=adjoint,
+                diffrax.ODETerm(lambda t, y, m: m(y)),
+                diffrax.Tsit5(),
+                0.0,
+                1.0,
+                0.1,
+                jnp.array([1.0, 0.0]),
+                args=model,
+                saveat=diffrax.SaveAt(ts=ts),
+                stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
+                adjoint=adjoint,
             )
             return jnp.mean((sol.ys - target) ** 2)
 
@@ -79,13 +86,17 @@ def cases() -> list[tuple[str, Callable[..., Any], tuple]]:
 
     def root(w: Any) -> Any:
         sol = optx.root_find(
-            lambda y, a: jnp.tanh(a @ y) + y - 1.0, optx.Newton(rtol=1e-2, atol=1e-2),
-            jnp.zeros(2), args=w,
+            lambda y, a: jnp.tanh(a @ y) + y - 1.0,
+            optx.Newton(rtol=1e-2, atol=1e-2),
+            jnp.zeros(2),
+            args=w,
         )
         return jnp.sum(sol.value**2)
 
     def solve(w: Any, b: Any) -> Any:
-        op = lx.FunctionLinearOperator(lambda v: w @ v + 4 * v, jax.ShapeDtypeStruct((2,), jnp.float32))
+        op = lx.FunctionLinearOperator(
+            lambda v: w @ v + 4 * v, jax.ShapeDtypeStruct((2,), jnp.float32)
+        )
         return jnp.sum(lx.linear_solve(op, b).value ** 2)
 
     def kernel(x_ref: Any, o_ref: Any) -> None:
@@ -110,11 +121,19 @@ def cases() -> list[tuple[str, Callable[..., Any], tuple]]:
         ("jax.custom_gradient, rule closes over an intermediate", custom_gradient, (X, W)),
         ("custom_vjp, rules close over a weight", closure_custom_vjp, (X, W)),
         ("custom_jvp, rule closes over a weight", closure_custom_jvp, (X, W)),
-        ("diffrax neural ODE, RecursiveCheckpointAdjoint", ode(diffrax.RecursiveCheckpointAdjoint()), (mlp,)),
+        (
+            "diffrax neural ODE, RecursiveCheckpointAdjoint",
+            ode(diffrax.RecursiveCheckpointAdjoint()),
+            (mlp,),
+        ),
         ("diffrax neural ODE, BacksolveAdjoint", ode(diffrax.BacksolveAdjoint()), (mlp,)),
         ("optimistix Newton root find (tol 1e-2)", root, (a,)),
         ("lineax solve, function operator", solve, (a, jnp.ones(2))),
-        ("Pallas kernel (interpret) between two matmuls", lambda w, x: jnp.sum((gate(x @ w) @ w2) ** 2), (W, X)),
+        (
+            "Pallas kernel (interpret) between two matmuls",
+            lambda w, x: jnp.sum((gate(x @ w) @ w2) ** 2),
+            (W, X),
+        ),
     ]
 
 

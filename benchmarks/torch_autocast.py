@@ -53,6 +53,7 @@ def available() -> bool:
 
 # ---- parameters ----------------------------------------------------------------------------
 
+
 def _param(t: torch.Tensor) -> torch.Tensor:
     return t.requires_grad_(True)
 
@@ -78,8 +79,12 @@ def init_gpt(*, vocab: int, d: int, layers: int, seq: int) -> Params:
 
     def block() -> Params:
         return {
-            "ln1": _norm(d), "qkv": _dense(d, 3 * d), "proj": _dense(d, d),
-            "ln2": _norm(d), "up": _dense(d, 4 * d), "down": _dense(4 * d, d),
+            "ln1": _norm(d),
+            "qkv": _dense(d, 3 * d),
+            "proj": _dense(d, d),
+            "ln2": _norm(d),
+            "up": _dense(d, 4 * d),
+            "down": _dense(4 * d, d),
         }
 
     return {
@@ -100,16 +105,19 @@ def init_cnn(
 
     convs, n_in = [], channels
     for width in widths:
-        convs.append({
-            "w": _param(torch.randn(width, n_in, 3, 3) / math.sqrt(9 * n_in)),
-            "b": _param(torch.zeros(width)),
-            "norm": _norm(width),
-        })
+        convs.append(
+            {
+                "w": _param(torch.randn(width, n_in, 3, 3) / math.sqrt(9 * n_in)),
+                "b": _param(torch.zeros(width)),
+                "norm": _norm(width),
+            }
+        )
         n_in = width
     return {"norm": norm, "convs": convs, "head": _dense(n_in, classes)}
 
 
 # ---- losses --------------------------------------------------------------------------------
+
 
 def _layer_norm(p: Params, x: torch.Tensor) -> torch.Tensor:
     import torch.nn.functional as F
@@ -132,7 +140,11 @@ def _block(p: Params, x: torch.Tensor, heads: int, attention: str = "naive") -> 
     q, k, v = (z.reshape(b, t, heads, d // heads) for z in (q, k, v))
     if attention == "sdpa":  # PyTorch's fused attention (flash or memory-efficient kernels)
         heads_first = [z.transpose(1, 2) for z in (q, k, v)]
-        att = F.scaled_dot_product_attention(*heads_first, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        att = (
+            F.scaled_dot_product_attention(*heads_first, is_causal=True)
+            .transpose(1, 2)
+            .reshape(b, t, d)
+        )
     else:
         scores = torch.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // heads)
         mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
@@ -197,6 +209,7 @@ def models() -> list[tuple[str, Loss, Params, tuple[torch.Tensor, ...]]]:
 
 
 # ---- measuring -----------------------------------------------------------------------------
+
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     import torch

@@ -34,8 +34,15 @@ def true_field(t, y, args):
 
 def solve(field, y0: jax.Array, args=None) -> jax.Array:
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(field), diffrax.Tsit5(), TS[0], TS[-1], 0.1, y0, args=args,
-        saveat=diffrax.SaveAt(ts=TS), stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
+        diffrax.ODETerm(field),
+        diffrax.Tsit5(),
+        TS[0],
+        TS[-1],
+        0.1,
+        y0,
+        args=args,
+        saveat=diffrax.SaveAt(ts=TS),
+        stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
     )
     return sol.ys
 

@@ -41,7 +41,10 @@ class Model(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = nn.Dense(self.width)(x)
         blocks = nn.scan(
-            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth
+            nn.remat(Block),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.depth,
         )
         h, _ = blocks(self.width)(h, None)
         return nn.Dense(self.classes)(nn.LayerNorm()(h))
@@ -66,7 +69,10 @@ def train(steps: int = 60, compute_dtype=jnp.bfloat16) -> dict:
     params0 = model.init(jax.random.key(1), x)
     optimizer = optax.adam(3e-3)
     results = {}
-    for name, fn in (("float32", loss_fn), ("amp", autocast.amp(loss_fn, compute_dtype=compute_dtype))):
+    for name, fn in (
+        ("float32", loss_fn),
+        ("amp", autocast.amp(loss_fn, compute_dtype=compute_dtype)),
+    ):
         grad_fn = jax.value_and_grad(fn)
 
         @jax.jit

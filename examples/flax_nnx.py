@@ -1,4 +1,5 @@
-"""Train a Flax NNX conv net (BatchNorm, Dropout) under amp, with ``nnx.jit`` and ``nnx.value_and_grad``.
+"""Train a Flax NNX conv net (BatchNorm, Dropout) under amp, with ``nnx.jit`` and
+``nnx.value_and_grad``.
 
 Run: ``.venv/bin/python examples/flax_nnx.py [--steps 40]``. Prints float32 and amp losses
 side by side, and shows that BatchNorm's running statistics and Dropout's RNG state move
@@ -57,7 +58,11 @@ def make_data(key: jax.Array, n: int = 32) -> tuple[jax.Array, jax.Array]:
     x = 0.3 * jax.random.normal(kx, (n, 12, 12, 3))
     rows = (labels // 2)[:, None] * 6 + jnp.arange(6)[None]
     cols = (labels % 2)[:, None] * 6 + jnp.arange(6)[None]
-    bump = jnp.zeros((n, 12, 12)).at[jnp.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]].set(1.5)
+    bump = (
+        jnp.zeros((n, 12, 12))
+        .at[jnp.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        .set(1.5)
+    )
     return x + bump[..., None], labels
 
 
@@ -70,7 +75,9 @@ def pure_loss(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, y: jax.Arr
 
 
 def make_step(compute_dtype, optimizer: optax.GradientTransformation):
-    run = pure_loss if compute_dtype is None else autocast.amp(pure_loss, compute_dtype=compute_dtype)
+    run = (
+        pure_loss if compute_dtype is None else autocast.amp(pure_loss, compute_dtype=compute_dtype)
+    )
 
     def loss_fn(model: ConvNet, x: jax.Array, y: jax.Array) -> jax.Array:
         graphdef, state = nnx.split(model)
@@ -121,8 +128,10 @@ def main() -> None:
     print(f"final {results['float32']['losses'][-1]:9.4f} {results['amp']['losses'][-1]:9.4f}")
     snaps = results["amp"]["snapshots"]
     moved = float(jnp.abs(snaps[-1]["bn_mean"] - snaps[0]["bn_mean"]).max())
-    print(f"under amp: BatchNorm running mean moved by up to {moved:.3f}; "
-          f"dropout RNG count {snaps[0]['rng_count']} -> {snaps[-1]['rng_count']}")
+    print(
+        f"under amp: BatchNorm running mean moved by up to {moved:.3f}; "
+        f"dropout RNG count {snaps[0]['rng_count']} -> {snaps[-1]['rng_count']}"
+    )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,13 @@ def train(steps: int = 300, seed: int = 0) -> dict:
     teacher = init_mlp(jax.random.PRNGKey(seed + 1), (32, 16, 10))
     optimizer = optax.adam(3e-3)
     amp_loss = autocast.amp(mlp_loss, compute_dtype=jnp.float16)
-    steppers = {"float32": make_step(mlp_loss, optimizer), "float16 amp": make_step(amp_loss, optimizer)}
-    runs = {name: (params, optimizer.init(params), autocast.DynamicScalerState()) for name in steppers}
+    steppers = {
+        "float32": make_step(mlp_loss, optimizer),
+        "float16 amp": make_step(amp_loss, optimizer),
+    }
+    runs = {
+        name: (params, optimizer.init(params), autocast.DynamicScalerState()) for name in steppers
+    }
     history = {name: [] for name in steppers}
     for step in range(steps):
         x = jax.random.normal(jax.random.fold_in(key, step), (64, 32))

@@ -41,7 +41,11 @@ def make_data(key: jax.Array, n: int = 32) -> tuple[jax.Array, jax.Array]:
     x = 0.3 * jax.random.normal(kx, (n, 12, 12, 3))
     rows = (labels // 2)[:, None] * 6 + jnp.arange(6)[None]
     cols = (labels % 2)[:, None] * 6 + jnp.arange(6)[None]
-    bump = jnp.zeros((n, 12, 12)).at[jnp.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]].set(1.5)
+    bump = (
+        jnp.zeros((n, 12, 12))
+        .at[jnp.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        .set(1.5)
+    )
     return x + bump[..., None], labels
 
 
@@ -59,7 +63,10 @@ def train(steps: int = 40, compute_dtype=jnp.bfloat16) -> dict:
     params0, state0 = model.init(jax.random.key(1), x, is_training=True)
     optimizer = optax.adam(3e-3)
     results = {}
-    for name, fn in (("float32", loss_fn), ("amp", autocast.amp(loss_fn, compute_dtype=compute_dtype))):
+    for name, fn in (
+        ("float32", loss_fn),
+        ("amp", autocast.amp(loss_fn, compute_dtype=compute_dtype)),
+    ):
         grad_fn = jax.value_and_grad(fn, has_aux=True)
 
         @jax.jit
@@ -86,8 +93,10 @@ def main() -> None:
         print(f"{i:>5} {f32[i]:9.4f} {amp[i]:9.4f}")
     print(f"final {f32[-1]:9.4f} {amp[-1]:9.4f}")
     moved = jnp.abs(_bn_mean(results["amp"]["state"]) - _bn_mean(results["amp"]["state0"])).max()
-    print(f"under amp: BatchNorm moving mean moved by up to {float(moved):.3f} "
-          f"(dtype {_bn_mean(results['amp']['state']).dtype})")
+    print(
+        f"under amp: BatchNorm moving mean moved by up to {float(moved):.3f} "
+        f"(dtype {_bn_mean(results['amp']['state']).dtype})"
+    )
 
 
 if __name__ == "__main__":

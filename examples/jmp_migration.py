@@ -89,7 +89,9 @@ def amp_step(optimizer: optax.GradientTransformation, compute_dtype=jnp.float16)
         loss_scale = loss_scale.adjust(finite)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        params, opt_state = autocast.select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+        params, opt_state = autocast.select_tree(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
         return params, opt_state, loss_scale, loss
 
     return step, autocast.DynamicLossScale(jnp.float32(2**15))
@@ -141,7 +143,10 @@ def main() -> None:
     steps = len(results["float32"]["losses"])
     for i in list(range(0, steps, max(1, steps // 5))) + [steps - 1]:
         print(f"{i:>5} " + " ".join(f"{results[n]['losses'][i]:22.4f}" for n in names))
-    print("loss scale at the end: " + ", ".join(f"{n} {results[n]['loss_scale']:g}" for n in names[1:]))
+    print(
+        "loss scale at the end: "
+        + ", ".join(f"{n} {results[n]['loss_scale']:g}" for n in names[1:])
+    )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,11 @@ def program_text(fn: Callable[..., Any], *args: Any) -> str:
     text = "\n".join(lines[first:])
     # names carry counters that depend on what XLA removed on the way: number them afresh
     names: dict[str, str] = {}
-    return re.sub(r"%?[A-Za-z_][\w\-]*(?:\.\d+)+", lambda m: names.setdefault(m.group(0), f"v{len(names)}"), text)
+    return re.sub(
+        r"%?[A-Za-z_][\w\-]*(?:\.\d+)+",
+        lambda m: names.setdefault(m.group(0), f"v{len(names)}"),
+        text,
+    )
 
 
 # XLA evaluates a program deterministically on the CPU. A GPU's scatter-adds (an embedding's

@@ -41,7 +41,9 @@ def main() -> None:
     np.testing.assert_allclose(jax.jit(amp_fn)(x_sharded, w), fn(x_sharded, w), rtol=3e-2)
     g = jax.jit(jax.grad(amp_fn, argnums=1))(x_sharded, w)
     np.testing.assert_allclose(g, jax.grad(fn, argnums=1)(x_sharded, w), rtol=5e-2, atol=5e-2)
-    assert dot_dtypes(jax.make_jaxpr(jax.grad(amp_fn, argnums=1))(x_sharded, w)) == {("bfloat16", "bfloat16")}
+    assert dot_dtypes(jax.make_jaxpr(jax.grad(amp_fn, argnums=1))(x_sharded, w)) == {
+        ("bfloat16", "bfloat16")
+    }
     print("shard_map ok")
 
     # float32 partial sums that overflow float16 one by one but not summed: the psum runs on
@@ -57,11 +59,15 @@ def main() -> None:
 
     # loss scaling under shard_map: one poisoned example on one device; every device takes
     # the same decision (a skip), and the scale is kept (no smaller scale cures bad data)
-    loss = lambda w, x: jnp.sum(jnp.tanh(x.astype(jnp.float16) @ w.astype(jnp.float16))).astype(jnp.float32)  # noqa: E731
+    loss = lambda w, x: jnp.sum(jnp.tanh(x.astype(jnp.float16) @ w.astype(jnp.float16))).astype(  # noqa: E731
+        jnp.float32
+    )
     grad_fn = autocast.dynamic_scale_value_and_grad(loss, axis_name="d")
 
     def scaled_step(x, w):
-        state, (_, g) = grad_fn(w, x, dynamic_scaler_state=autocast.DynamicScalerState(scaler=2.0**10))
+        state, (_, g) = grad_fn(
+            w, x, dynamic_scaler_state=autocast.DynamicScalerState(scaler=2.0**10)
+        )
         return state.scaler[None], state.skipped_in_a_row[None], g[None]
 
     step = _compat.shard_map(scaled_step, mesh, (P("d"), P()), (P("d"), P("d"), P("d")))
@@ -87,7 +93,9 @@ def main() -> None:
     big = jnp.linspace(-1, 1, 1024).reshape(64, 16).at[40].multiply(40.0)  # device 2's rows
     f8 = autocast.amp_fp8_delayed(lambda w, xb: jnp.mean(jnp.tanh(xb @ w)), history=4)
     history = f8.init(w, big)
-    sharded = _compat.shard_map(lambda h, w, xb: jax.lax.pmean(f8(h, w, xb), "d"), mesh, (P(), P(), P("d")), P())
+    sharded = _compat.shard_map(
+        lambda h, w, xb: jax.lax.pmean(f8(h, w, xb), "d"), mesh, (P(), P(), P("d")), P()
+    )
     step = jax.jit(jax.grad(sharded, argnums=(0, 1)))
     for _ in range(3):
         g_history, g_w = step(history, w, jax.device_put(big, NamedSharding(mesh, P("d"))))

@@ -61,7 +61,9 @@ def join_processes() -> None:
     except AttributeError:
         jax.config.update("jax_cpu_enable_gloo_collectives", True)
     jax.distributed.initialize(
-        f"localhost:{os.environ['MP_PORT']}", num_processes=PROCESSES, process_id=PROCESS_ID,
+        f"localhost:{os.environ['MP_PORT']}",
+        num_processes=PROCESSES,
+        process_id=PROCESS_ID,
         initialization_timeout=120,
     )
 
@@ -153,7 +155,11 @@ def case_dp_optax() -> dict:
         params, opt_state = step(params, opt_state, *batch(i, POISONED))
         scales.append(host(autocast.optax.loss_scale_of(opt_state).loss_scale))
         skipped.append(host(autocast.optax.skipped_steps(opt_state)))
-    return {**{k: host(v) for k, v in params.items()}, "scale": np.array(scales), "skipped": np.array(skipped)}
+    return {
+        **{k: host(v) for k, v in params.items()},
+        "scale": np.array(scales),
+        "skipped": np.array(skipped),
+    }
 
 
 def case_fsdp_jmp() -> dict:
@@ -167,7 +173,9 @@ def case_fsdp_jmp() -> dict:
         grads = ls.unscale(jax.grad(lambda p: ls.scale(amp16(p, x, y)))(params))
         finite = autocast.all_finite(grads)
         new = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
-        params = jax.lax.with_sharding_constraint(autocast.select_tree(finite, new, params), shardings)
+        params = jax.lax.with_sharding_constraint(
+            autocast.select_tree(finite, new, params), shardings
+        )
         return params, ls.adjust(finite), finite
 
     scales, finite = [], []
@@ -175,9 +183,15 @@ def case_fsdp_jmp() -> dict:
         params, ls, ok = step(params, ls, *batch(i, POISONED))
         scales.append(host(ls.loss_scale))
         finite.append(host(ok))
-    assert all(p.sharding.spec == FSDP[k] for k, p in params.items()), "the weights left their shards"
+    assert all(p.sharding.spec == FSDP[k] for k, p in params.items()), (
+        "the weights left their shards"
+    )
     skipped = np.cumsum(~np.array(finite))
-    return {**{k: host(v) for k, v in params.items()}, "scale": np.array(scales), "skipped": skipped}
+    return {
+        **{k: host(v) for k, v in params.items()},
+        "scale": np.array(scales),
+        "skipped": skipped,
+    }
 
 
 def case_shard_map_jaxamp() -> dict:
@@ -199,7 +213,11 @@ def case_shard_map_jaxamp() -> dict:
         params, state = step(params, state, *batch(i, POISONED))
         scales.append(host(state.scaler))
         skipped.append(host(state.total_resets))
-    return {**{k: host(v) for k, v in params.items()}, "scale": np.array(scales), "skipped": np.array(skipped)}
+    return {
+        **{k: host(v) for k, v in params.items()},
+        "scale": np.array(scales),
+        "skipped": np.array(skipped),
+    }
 
 
 def case_fp8_delayed() -> dict:
@@ -288,7 +306,9 @@ def ck_f16_jaxamp():
 
 def ck_f16_optax():
     """float16 with the optax face around adam."""
-    tx = autocast.optax.dynamic_loss_scaling(optax.adam(1e-2), autocast.DynamicLossScale(jnp.float32(2.0**15), period=3))
+    tx = autocast.optax.dynamic_loss_scaling(
+        optax.adam(1e-2), autocast.DynamicLossScale(jnp.float32(2.0**15), period=3)
+    )
     params = replicated(init_params())
     state = {"params": params, "opt": jax.jit(tx.init, out_shardings=REPLICATED)(params)}
 
@@ -331,13 +351,19 @@ def ck_fp8():
 
     @jax.jit
     def step(state, history, x, y):
-        scaler, (g_history, grads) = grad_fn(history, state["params"], x, y, dynamic_scaler_state=state["scaler"])
-        return {"params": _sgd_select(state["params"], grads), "scaler": scaler}, history.advance(g_history)
+        scaler, (g_history, grads) = grad_fn(
+            history, state["params"], x, y, dynamic_scaler_state=state["scaler"]
+        )
+        return {"params": _sgd_select(state["params"], grads), "scaler": scaler}, history.advance(
+            g_history
+        )
 
     return state, step, (loss8, history)
 
 
-CHECKPOINT_CASES = {f.__name__: f for f in (ck_bf16, ck_f16_jaxamp, ck_f16_optax, ck_f16_jmp, ck_fp8)}
+CHECKPOINT_CASES = {
+    f.__name__: f for f in (ck_bf16, ck_f16_jaxamp, ck_f16_optax, ck_f16_jmp, ck_fp8)
+}
 
 
 def run_checkpoint_case(name: str, phase: str, ckpt: str) -> dict:
@@ -355,9 +381,10 @@ def run_checkpoint_case(name: str, phase: str, ckpt: str) -> dict:
         if fp8:
             loss8 = fp8[0]
             # restored without a target: its structure is rebuilt by the one call for it
-            history = loss8.restore(ckptr.restore(os.path.join(where, "history")), state["params"], *batch(0, set()))
+            history = loss8.restore(
+                ckptr.restore(os.path.join(where, "history")), state["params"], *batch(0, set())
+            )
         start = SAVE_AT
-    losses = []
     for i in range(start, END):
         if phase == "train" and i == SAVE_AT:
             ckptr.save(os.path.join(where, "state"), state)
@@ -371,14 +398,20 @@ def run_checkpoint_case(name: str, phase: str, ckpt: str) -> dict:
         else:
             state = step(state, x, y)
     ckptr.close()
-    out = {"/".join(str(k) for k in path): host(v) for path, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+    out = {
+        "/".join(str(k) for k in path): host(v)
+        for path, v in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
     if fp8:
         out.update({f"history/{i}": host(a) for i, a in enumerate(history.amax)})
         out["history/measured"] = np.array(history.measured)
     return out
 
 
-COMPARISON_CASES = {f.__name__: f for f in (case_dp_optax, case_fsdp_jmp, case_shard_map_jaxamp, case_fp8_delayed, case_tools)}
+COMPARISON_CASES = {
+    f.__name__: f
+    for f in (case_dp_optax, case_fsdp_jmp, case_shard_map_jaxamp, case_fp8_delayed, case_tools)
+}
 
 
 def main() -> None:
@@ -396,12 +429,18 @@ def main() -> None:
         results[f"{name}_{args.phase}"] = run_checkpoint_case(name, args.phase, args.ckpt)
     # every process reports what it saw, so the test can check they all agree
     # (the scales, skip counts and every scaler's fields: whatever is small)
-    summary = {name: {k: np.asarray(v).tolist() for k, v in r.items() if np.size(v) <= 8} for name, r in results.items()}
+    summary = {
+        name: {k: np.asarray(v).tolist() for k, v in r.items() if np.size(v) <= 8}
+        for name, r in results.items()
+    }
     with open(os.path.join(args.out, f"p{PROCESS_ID}-{args.phase}.json"), "w") as f:
         json.dump(summary, f)
     if PROCESS_ID == 0:
         for name, r in results.items():
-            np.savez(os.path.join(args.out, f"{name}.npz"), **{k.replace("/", "__"): v for k, v in r.items()})
+            np.savez(
+                os.path.join(args.out, f"{name}.npz"),
+                **{k.replace("/", "__"): v for k, v in r.items()},
+            )
     multihost_utils.sync_global_devices("done") if PROCESSES > 1 else None
     print(f"process {PROCESS_ID} done", flush=True)
 

@@ -26,7 +26,16 @@ import autocast
 
 COMPUTE = ("bf16", "f16", "fp8", "fp8 delayed")
 SCALING = ("none", "jaxamp face", "optax face", "jmp objects")
-TRANSFORMS = ("jit", "eager", "vmap inside", "amp under vmap", "scan", "checkpoint", "cond", "while")
+TRANSFORMS = (
+    "jit",
+    "eager",
+    "vmap inside",
+    "amp under vmap",
+    "scan",
+    "checkpoint",
+    "cond",
+    "while",
+)
 # Transformations over several devices: their cells run in a child process with 4 CPU devices.
 DEVICE_TRANSFORMS = ("shard_map", "sharded jit")
 DEVICES = 4
@@ -70,7 +79,10 @@ def cells() -> list[tuple[str, ...]]:
     """Every cell: compute x scaling x transformation on a plain JAX model (every pair of those
     axes, and the triples users write, float8 with a scaler in a scan among them); compute x
     framework under jit with each compute dtype's usual scaling; compute x tool."""
-    out = [("JAX", c, s, t) for c, s, t in itertools.product(COMPUTE, SCALING, TRANSFORMS + DEVICE_TRANSFORMS)]
+    out = [
+        ("JAX", c, s, t)
+        for c, s, t in itertools.product(COMPUTE, SCALING, TRANSFORMS + DEVICE_TRANSFORMS)
+    ]
     out += [(f, c, _usual(c), "jit") for f, c in itertools.product(FRAMEWORKS[1:], COMPUTE)]
     out += [("JAX", c, "none", tool) for c, tool in itertools.product(COMPUTE, TOOLS)]
     return out
@@ -100,7 +112,9 @@ def _layers(x: Any, ws: Any, transform: str) -> Any:
             x = jax.checkpoint(layer)(x, w)
         return x
     if transform == "cond":
-        return jax.lax.cond(jnp.sum(x) > -1e30, lambda h: layer(layer(h, ws[0]), ws[1]), lambda h: h, x)
+        return jax.lax.cond(
+            jnp.sum(x) > -1e30, lambda h: layer(layer(h, ws[0]), ws[1]), lambda h: h, x
+        )
     if transform == "while":
         return jax.lax.fori_loop(0, ws.shape[0], lambda i, h: layer(h, ws[i]), x)
     for w in ws:
@@ -117,6 +131,7 @@ def jax_model(transform: str) -> tuple[Callable[..., Any], Any]:
         return jnp.mean((h @ params["out"] - y) ** 2)
 
     if transform == "vmap inside":
+
         def loss(params: Any, x: Any, y: Any) -> Any:
             per = jax.vmap(lambda xi, yi: one(params, xi[None], yi[None]))(x, y)
             return jnp.mean(per)
@@ -160,7 +175,9 @@ def framework_model(name: str) -> tuple[Callable[..., Any], Any]:
     if name == "Haiku":
         import haiku as hk
 
-        net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([D, D], activation=jnp.tanh)(x)))
+        net = hk.without_apply_rng(
+            hk.transform(lambda x: hk.nets.MLP([D, D], activation=jnp.tanh)(x))
+        )
         return (lambda p, x, y: mse(net.apply(p, x), y)), net.init(jax.random.key(0), x)
     raise ValueError(name)
 
@@ -180,7 +197,9 @@ def _sgd(params: Any, grads: Any) -> Any:
     return jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
 
 
-def step_of(loss: Callable[..., Any], compute: str, scaling: str, transform: str) -> Callable[..., Any]:
+def step_of(
+    loss: Callable[..., Any], compute: str, scaling: str, transform: str
+) -> Callable[..., Any]:
     """``step(params, x, y) -> (loss, new params, scale, skipped)``: one SGD step of ``loss``
     under the compute dtype, the scaling face and the transformation."""
     amp_loss = _under_compute(loss, compute)
@@ -188,7 +207,9 @@ def step_of(loss: Callable[..., Any], compute: str, scaling: str, transform: str
     if transform == "amp under vmap":  # amp inside, vmap outside it, the mean outside both
         per = jax.vmap(amp_loss, in_axes=(None, None, 0, 0) if delayed else (None, 0, 0))
         if delayed:
-            amp_loss = functools.wraps(amp_loss)(lambda h, p, x, y: jnp.mean(per(h, p, x[:, None], y[:, None])))
+            amp_loss = functools.wraps(amp_loss)(
+                lambda h, p, x, y: jnp.mean(per(h, p, x[:, None], y[:, None]))
+            )
             amp_loss.init = lambda p, x, y: _under_compute(loss, compute).init(p, x[:1], y[:1])  # type: ignore[attr-defined]
         else:
             amp_loss = lambda p, x, y: jnp.mean(per(p, x[:, None], y[:, None]))  # noqa: E731
@@ -231,11 +252,21 @@ def step_of(loss: Callable[..., Any], compute: str, scaling: str, transform: str
             updates, state = tx.update(g_params, tx.init(params), params, value=value)
             # the wrapper updates; hand back its gradients' equivalent for one SGD step
             g_params = jax.tree_util.tree_map(lambda u: -u / LR, updates)
-            return (scale.unscale(value), g_params, g_history, ao.loss_scale_of(state).loss_scale,
-                    ao.skipped_steps(state))
+            return (
+                scale.unscale(value),
+                g_params,
+                g_history,
+                ao.loss_scale_of(state).loss_scale,
+                ao.skipped_steps(state),
+            )
         finite = autocast.all_finite(scale.unscale(g_params))
-        return (scale.unscale(value), scale.unscale(g_params), g_history, scale.adjust(finite).loss_scale,
-                (~finite).astype(jnp.int32))
+        return (
+            scale.unscale(value),
+            scale.unscale(g_params),
+            g_history,
+            scale.adjust(finite).loss_scale,
+            (~finite).astype(jnp.int32),
+        )
 
     def step(history: Any, params: Any, x: Any, y: Any) -> tuple[Any, Any, Any, Any, Any]:
         value, g, g_history, scale, skipped = grads_of(history, params, x, y)
@@ -288,11 +319,17 @@ def run_cell(cell: tuple[str, ...]) -> dict:
     history = _under_compute(loss, compute).init(params, x, y) if compute == "fp8 delayed" else None
     if compute == "fp8 delayed" and what == "amp under vmap":
         history = _under_compute(loss, compute).init(params, x[:1], y[:1])
-    value, got, new_history, scale, skipped = step_of(loss, compute, scaling, what)(history, params, x, y)
-    flat = lambda t: jnp.concatenate([jnp.ravel(a).astype(jnp.float32) for a in jax.tree_util.tree_leaves(t)])  # noqa: E731
+    value, got, new_history, scale, skipped = step_of(loss, compute, scaling, what)(
+        history, params, x, y
+    )
+    flat = lambda t: jnp.concatenate(  # noqa: E731
+        [jnp.ravel(a).astype(jnp.float32) for a in jax.tree_util.tree_leaves(t)]
+    )
     return {
         # the step's error against float32's step, relative to that step's size
-        "param_error": float(jnp.linalg.norm(flat(got) - flat(want)) / jnp.linalg.norm(flat(want) - flat(params))),
+        "param_error": float(
+            jnp.linalg.norm(flat(got) - flat(want)) / jnp.linalg.norm(flat(want) - flat(params))
+        ),
         "loss_error": abs(float(value) - float(want_loss)) / abs(float(want_loss)),
         "scale": float(scale),
         "skipped": int(skipped),
@@ -327,7 +364,9 @@ def markdown() -> str:
         "",
         "What each combination gives, from `tests/support_matrix.py`, the same table the tests run",
         "(`tests/test_support_matrix.py`). ✓: one SGD step lands within the compute dtype's",
-        "tolerance of float32's (" + ", ".join(f"{c} {t:g}" for c, t in TOLERANCE.items()) + "), the",
+        "tolerance of float32's ("
+        + ", ".join(f"{c} {t:g}" for c, t in TOLERANCE.items())
+        + "), the",
         "loss scale is kept and nothing is skipped. Refused: the error the call raises.",
         "",
         "## Compute x loss scaling x transformation (plain JAX)",
@@ -342,9 +381,14 @@ def markdown() -> str:
         marks = [_mark(("JAX", c, s, t)) for t in TRANSFORMS + DEVICE_TRANSFORMS]
         lines.append(f"| {c} | {s} | " + " | ".join(marks) + " |")
     lines += ["", "## Compute x framework (jit; float16 with the jaxamp face)", ""]
-    lines += ["| compute | " + " | ".join(FRAMEWORKS[1:]) + " |", "|---|" + "---|" * len(FRAMEWORKS[1:])]
+    lines += [
+        "| compute | " + " | ".join(FRAMEWORKS[1:]) + " |",
+        "|---|" + "---|" * len(FRAMEWORKS[1:]),
+    ]
     for c in COMPUTE:
-        lines.append(f"| {c} | " + " | ".join(_mark((f, c, _usual(c), "jit")) for f in FRAMEWORKS[1:]) + " |")
+        lines.append(
+            f"| {c} | " + " | ".join(_mark((f, c, _usual(c), "jit")) for f in FRAMEWORKS[1:]) + " |"
+        )
     lines += ["", "## Compute x tool", ""]
     lines += ["| compute | " + " | ".join(TOOLS) + " |", "|---|" + "---|" * len(TOOLS)]
     for c in COMPUTE:
@@ -353,7 +397,7 @@ def markdown() -> str:
         "",
         "Float8 with delayed scaling is refused by the tools: `report` and `diagnose` run their",
         "function under amp, and `amp_fp8_delayed` refuses to run inside another amp, which would",
-        "run it without its histories. Call them with `compute_dtype=\"fp8\"` (current scaling)",
+        'run it without its histories. Call them with `compute_dtype="fp8"` (current scaling)',
         "on the unwrapped loss instead.",
         "",
     ]

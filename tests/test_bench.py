@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import load_script
 
 pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
@@ -18,7 +17,17 @@ bench = load_script(Path(__file__).parents[1] / "benchmarks" / "bench.py")
 
 def test_step_figures_run_on_this_backend_with_the_flag(tmp_path):
     out = tmp_path / "results.json"
-    argv = ["--only", "step", "--step-figures", "--models", "MLP", "--step-repeats", "2", "--json", str(out)]
+    argv = [
+        "--only",
+        "step",
+        "--step-figures",
+        "--models",
+        "MLP",
+        "--step-repeats",
+        "2",
+        "--json",
+        str(out),
+    ]
     results = bench.main(argv)
     assert json.loads(out.read_text())["step"] == results["step"]
     assert set(results["step"]) == {"MLP"}
@@ -45,8 +54,19 @@ gpu_step = load_script(Path(__file__).parents[1] / "benchmarks" / "gpu_step.py")
 
 def test_gpu_step_tiny_runs_each_variant_in_its_own_process(tmp_path):
     out = tmp_path / "gpu.json"
-    argv = ["--tiny", "--models", "GPT-2 small,ResNet-18", "--variants", "amp bf16", "--attention", "fused",
-            "--steps", "1", "--json", str(out)]
+    argv = [
+        "--tiny",
+        "--models",
+        "GPT-2 small,ResNet-18",
+        "--variants",
+        "amp bf16",
+        "--attention",
+        "fused",
+        "--steps",
+        "1",
+        "--json",
+        str(out),
+    ]
     results = gpu_step.main(argv)
     assert json.loads(out.read_text()) == results
     assert set(results["GPT-2 small"]) == {"amp bf16 / fused"}
@@ -60,7 +80,9 @@ def test_gpu_step_covers_every_model_variant_and_attention():
     table = gpu_step.runs(list(gpu_step.MODELS), torch=True)
     gpt = [r for r in table if r[0] == "GPT-2 medium"]
     assert {(v, a) for _, v, a in gpt} == {
-        (v, a) for v in (*gpu_step.GPT_VARIANTS, *gpu_step.TORCH_VARIANTS) for a in ("naive", "fused")
+        (v, a)
+        for v in (*gpu_step.GPT_VARIANTS, *gpu_step.TORCH_VARIANTS)
+        for a in ("naive", "fused")
     }
     assert [v for m, v, _ in table if m == "ResNet-18"] == list(gpu_step.RESNET_VARIANTS)
     assert set(gpu_step.MODELS) == set(gpu_step.TINY)

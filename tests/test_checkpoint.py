@@ -48,7 +48,9 @@ def _assert_bitwise(got, want):
 def _stepped_scale_states():
     """Each scaler's state after a good and a bad step, so no field holds its default."""
     jaxamp = autocast.DynamicScalerState(patience=3)
-    tx = autocast.optax.dynamic_loss_scaling(optax.adam(1e-2), autocast.DynamicLossScale(jnp.float32(2.0**10), period=3))
+    tx = autocast.optax.dynamic_loss_scaling(
+        optax.adam(1e-2), autocast.DynamicLossScale(jnp.float32(2.0**10), period=3)
+    )
     params = {"w": jnp.ones((2, 2))}
     opt = tx.init(params)
     jmp = autocast.DynamicLossScale(jnp.float32(2.0**12), period=5, factor=4, min_loss_scale=2.0)
@@ -57,16 +59,27 @@ def _stepped_scale_states():
         jaxamp, g = grad_fn(params, jnp.float32(x), dynamic_scaler_state=jaxamp)
         _, opt = tx.update({"w": jnp.full((2, 2), x)}, opt, params)
         jmp = jmp.adjust(jnp.isfinite(x))
-    return {"jaxamp": jaxamp, "optax": opt, "jmp": jmp, "static": autocast.StaticLossScale(3.0), "noop": autocast.NoOpLossScale()}
+    return {
+        "jaxamp": jaxamp,
+        "optax": opt,
+        "jmp": jmp,
+        "static": autocast.StaticLossScale(3.0),
+        "noop": autocast.NoOpLossScale(),
+    }
 
 
 def test_the_loss_scalers_states_round_trip_bit_for_bit(checkpointer, tmp_path):
     states = _stepped_scale_states()
-    assert int(states["jaxamp"].total_resets) == 1 and int(autocast.optax.skipped_steps(states["optax"])) == 1
+    assert (
+        int(states["jaxamp"].total_resets) == 1
+        and int(autocast.optax.skipped_steps(states["optax"])) == 1
+    )
     # restored into freshly made states, as a new process makes them: every field comes back
     fresh = {
         "jaxamp": autocast.DynamicScalerState(patience=3),
-        "optax": autocast.optax.dynamic_loss_scaling(optax.adam(1e-2), autocast.DynamicLossScale(jnp.float32(2.0**10), period=3)).init({"w": jnp.ones((2, 2))}),
+        "optax": autocast.optax.dynamic_loss_scaling(
+            optax.adam(1e-2), autocast.DynamicLossScale(jnp.float32(2.0**10), period=3)
+        ).init({"w": jnp.ones((2, 2))}),
         "jmp": autocast.DynamicLossScale(jnp.float32(2.0**15)),
         "static": autocast.StaticLossScale(1.0),
         "noop": autocast.NoOpLossScale(),
@@ -98,7 +111,9 @@ def test_a_float8_history_keeps_what_init_measured_through_a_checkpoint(checkpoi
     assert restored.measured == history.measured and restored.program == history.program
     _assert_bitwise(restored, history)
     # and it scales as the saved one did
-    assert np.array_equal(np.asarray(jax.jit(f)(restored, trained, x)), np.asarray(jax.jit(f)(history, trained, x)))
+    assert np.array_equal(
+        np.asarray(jax.jit(f)(restored, trained, x)), np.asarray(jax.jit(f)(history, trained, x))
+    )
 
 
 def test_a_float8_history_restored_into_another_structure_is_refused(checkpointer, tmp_path):
@@ -116,13 +131,19 @@ def test_a_float8_history_restored_into_another_structure_is_refused(checkpointe
     with pytest.raises(ValueError, match=r"DelayedFp8.restore"):
         jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(wrong), leaves)
     with pytest.raises(ValueError, match=r"measured \(True, True, True\)"):
-        jax.jit(lambda *leaves: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(wrong), leaves).amax)(*leaves)
+        jax.jit(
+            lambda *leaves: (
+                jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(wrong), leaves).amax
+            )
+        )(*leaves)
 
 
 def test_restore_refuses_a_history_that_does_not_fit_the_function():
     f, p, x = _issue_case()
     saved = f.init(p, x)
-    other = autocast.amp_fp8_delayed(lambda p, x: jnp.max(jnp.tanh(x @ p["w1"]) @ p["w2"]), history=4)
+    other = autocast.amp_fp8_delayed(
+        lambda p, x: jnp.max(jnp.tanh(x @ p["w1"]) @ p["w2"]), history=4
+    )
     with pytest.raises(ValueError, match="another program"):
         other.restore(saved, p, x)
     longer = autocast.amp_fp8_delayed(f.__wrapped__, history=8)

@@ -26,8 +26,12 @@ def _debug_print(x, w):
 
 def test_debug_print_of_a_regions_value(capfd):
     f = _amp(_debug_print)
-    for run in (lambda: f(X, W), lambda: jax.jit(f)(X, W), lambda: jax.grad(f)(X, W),
-                lambda: jax.vmap(f, (0, None))(jnp.stack([X, X]), W)):
+    for run in (
+        lambda: f(X, W),
+        lambda: jax.jit(f)(X, W),
+        lambda: jax.grad(f)(X, W),
+        lambda: jax.vmap(f, (0, None))(jnp.stack([X, X]), W),
+    ):
         jax.block_until_ready(run())
     jax.effects_barrier()
     printed = capfd.readouterr().out
@@ -38,7 +42,9 @@ def test_debug_callback_gets_the_float32_statistic():
     seen = []
 
     def f(x, w):
-        jax.debug.callback(lambda v: seen.append(np.asarray(v)), jax.nn.logsumexp(x @ w), ordered=True)
+        jax.debug.callback(
+            lambda v: seen.append(np.asarray(v)), jax.nn.logsumexp(x @ w), ordered=True
+        )
         jax.debug.callback(lambda v: seen.append(np.asarray(v)), jnp.exp(x @ w).max(), ordered=True)
         return jnp.tanh(x @ w).sum()
 
@@ -54,7 +60,9 @@ def test_debug_callback_gets_the_float32_statistic():
 
 def _checked(x, w):
     checkify.check(jnp.all(jnp.exp(x @ w) > 0), "exp must be positive")
-    checkify.check(jax.nn.logsumexp(x @ w) < 10, "logsumexp {v} too large", v=jax.nn.logsumexp(x @ w))
+    checkify.check(
+        jax.nn.logsumexp(x @ w) < 10, "logsumexp {v} too large", v=jax.nn.logsumexp(x @ w)
+    )
     return jnp.tanh(x @ w).sum()
 
 

@@ -43,7 +43,10 @@ def test_corpus_is_generated_and_learnable_text():
 def test_command_line():
     # the entry point; the training itself is the first test, its arguments the next one
     done = subprocess.run(
-        [sys.executable, "-m", "autocast", "demo", "--help"], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "autocast", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     assert "--steps" in done.stdout and "--out" in done.stdout
@@ -69,7 +72,9 @@ def test_command_line_version_defaults_and_missing_extra(monkeypatch, capsys):
     assert "(default: float16)" in capsys.readouterr().out
     # without the demo extra: a clear message naming it, not a ModuleNotFoundError
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a)
+    )
     with pytest.raises(SystemExit, match=r"needs optax.*pip install 'jax-autocast\[demo\]'"):
         __main__.main(["diagnose"])
 
@@ -78,12 +83,17 @@ def test_command_line_version_defaults_and_missing_extra(monkeypatch, capsys):
     ("argv", "says"),
     [
         (["demo", "--steps", "0"], "--steps must be a whole number of training steps >= 1, got 0"),
-        (["demo", "--steps", "-5"], "--steps must be a whole number of training steps >= 1, got -5"),
+        (
+            ["demo", "--steps", "-5"],
+            "--steps must be a whole number of training steps >= 1, got -5",
+        ),
         (["demo", "--out", "FILE"], "is a file; give a folder"),
         (["diagnose", "--rows", "-3"], "--rows must be a number of table rows >= 1, got -3"),
     ],
 )
-def test_bad_arguments_get_one_line_and_nothing_runs_or_is_written(argv, says, tmp_path, monkeypatch):
+def test_bad_arguments_get_one_line_and_nothing_runs_or_is_written(
+    argv, says, tmp_path, monkeypatch
+):
     existing = tmp_path / "figures.txt"
     existing.write_text("kept")
     argv = [str(existing) if a == "FILE" else a for a in argv]

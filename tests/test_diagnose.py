@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DETERMINISTIC
 from hypothesis import given, settings
 
 import autocast
 from autocast._src.demo import models as _models
-from conftest import DETERMINISTIC
 
 HERE = __file__
 
@@ -45,17 +45,27 @@ def test_float16_overflow_is_found_on_its_line_and_the_suggestion_cures_it():
     assert first.dtype == jnp.float16
     assert first.overflow > 0 and math.isinf(first.rel_error)
     # the first matmul is fine: finite, small error
-    ok = [e for e in d.entries if e.source == _line(_overflowing, "jnp.tanh(x @ w)") and e.primitive == "dot_general"]
+    ok = [
+        e
+        for e in d.entries
+        if e.source == _line(_overflowing, "jnp.tanh(x @ w)") and e.primitive == "dot_general"
+    ]
     assert ok and ok[0].overflow == 0 and ok[0].rel_error < 1e-2
     assert "!" in str(d) and "first non-finite: dot_general in float16" in str(d)
     # amp as it was overflows; with the suggested policy it is finite and close to float32
     assert not np.isfinite(autocast.amp(_overflowing, compute_dtype=jnp.float16)(w, x))
-    fixed = autocast.amp(_overflowing, compute_dtype=jnp.float16, amp_policy=d.suggested_policy)(w, x)
+    fixed = autocast.amp(_overflowing, compute_dtype=jnp.float16, amp_policy=d.suggested_policy)(
+        w, x
+    )
     exact = _overflowing(w, x)
     assert np.isfinite(fixed)
     assert abs(float(fixed) - float(exact)) <= 0.01 * abs(float(exact))
     assert d.suggested_policy[jax.lax.dot_general_p] is autocast.use_full_precision
-    assert all(d.suggested_policy[k] is v for k, v in autocast.default_amp_policy.items() if k is not jax.lax.dot_general_p)
+    assert all(
+        d.suggested_policy[k] is v
+        for k, v in autocast.default_amp_policy.items()
+        if k is not jax.lax.dot_general_p
+    )
 
 
 def _cancelling(w, x):
@@ -117,7 +127,9 @@ def test_reference_is_the_float32_program_and_float32_compute_adds_nothing():
     # bit for bit on the CPU; a GPU fuses the reference's equations otherwise than the eager
     # program's and sums in a varying order, which moves the last bits
     tol = 0 if DETERMINISTIC else 1e-6
-    np.testing.assert_allclose(float(d.reference), float(_models.gpt_loss(params, tokens)), rtol=tol)
+    np.testing.assert_allclose(
+        float(d.reference), float(_models.gpt_loss(params, tokens)), rtol=tol
+    )
     assert all(e.rel_error <= tol and e.overflow == 0 and e.underflow == 0 for e in d.entries)
     assert d.culprits == () and dict(d.suggested_policy) == dict(autocast.default_amp_policy)
 

@@ -54,7 +54,7 @@ def fenced_blocks(text: str) -> list[Block]:
         i += 1
         while i < len(lines) and not closing.match(lines[i]):
             line = lines[i]
-            body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
+            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
             i += 1
         marker = NOT_RUN.match(lines[start - 1]) if start else None
         code = "\n".join(body) + "\n"
@@ -200,10 +200,10 @@ def test_readme_is_short_and_starts_with_the_two_commands() -> None:
 
 
 STALE = re.compile(
-    r"\bSPEC\s*\d"                      # sections of a specification the repository does not hold
+    r"\bSPEC\s*\d"  # sections of a specification the repository does not hold
     r"|\b[Ii]ssues?\s*#?\d+|\bPR\s*#\d+"  # issue and pull-request numbers
     r"|(?<![\w.])/(?:work|home|Users|root)/"  # absolute paths of the machine that wrote it
-    r"|\w\.py:\d+"                      # line numbers of source files, stale after any edit
+    r"|\w\.py:\d+"  # line numbers of source files, stale after any edit
 )
 
 

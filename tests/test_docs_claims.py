@@ -32,7 +32,9 @@ def test_a_nan_metric_in_aux_neither_skips_the_step_nor_shrinks_the_scale():
         return jnp.mean((x @ w) ** 2), {"metric": jnp.float32(jnp.nan)}
 
     state0 = autocast.DynamicScalerState()
-    grad_fn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss, compute_dtype=F16), has_aux=True)
+    grad_fn = autocast.dynamic_scale_value_and_grad(
+        autocast.amp(loss, compute_dtype=F16), has_aux=True
+    )
     state, ((value, aux), grads) = grad_fn(w, x, dynamic_scaler_state=state0)
     assert bool(jnp.isnan(aux["metric"])) and bool(jnp.isfinite(value))
     assert bool(autocast.all_finite(grads))
@@ -67,7 +69,9 @@ def test_the_optax_face_sees_the_loss_only_where_given_value():
     # then a non-finite loss skips the step even where the gradients are finite ...; without
     # it, only the gradients decide. It halves once per bad step whatever the cause".
     w, x = _small_problem()
-    amp_loss = autocast.amp(lambda w, x: jnp.mean((x @ w) ** 2) + jnp.sqrt(jnp.float32(-1.0)), compute_dtype=F16)
+    amp_loss = autocast.amp(
+        lambda w, x: jnp.mean((x @ w) ** 2) + jnp.sqrt(jnp.float32(-1.0)), compute_dtype=F16
+    )
     tx = autocast.optax.dynamic_loss_scaling(optax.sgd(0.1))
     opt_state = tx.init(w)
     scale = autocast.optax.loss_scale_of(opt_state)

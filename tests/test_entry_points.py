@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import eqns_named, operand_dtypes, require
 
 import autocast
 from autocast._src.tools import measure as _measure
 from autocast._src.transform import entry_points
-from conftest import eqns_named, operand_dtypes, require
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 KEYS = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -51,8 +51,11 @@ def test_under_amp_it_traces_in_the_compute_dtype_and_its_result_stays_16_bit():
     jaxpr = jax.make_jaxpr(f)(Q, K, V, W)
     # the projection after the attention takes its result in bfloat16, no float32 round trip
     assert operand_dtypes(jaxpr, "dot_general")[-1] == ("bfloat16", "bfloat16")
-    assert not [c for c in _measure.float_casts(jaxpr.jaxpr) if c.outvars[0].aval.dtype == F32
-                and c.invars[0].aval.shape == (2, 16, 4, 8)]
+    assert not [
+        c
+        for c in _measure.float_casts(jaxpr.jaxpr)
+        if c.outvars[0].aval.dtype == F32 and c.invars[0].aval.shape == (2, 16, 4, 8)
+    ]
     want = block(reference_attention)(Q, K, V, W)
     np.testing.assert_allclose(f(Q, K, V, W), want, rtol=3e-2)
 
@@ -60,8 +63,12 @@ def test_under_amp_it_traces_in_the_compute_dtype_and_its_result_stays_16_bit():
 @pytest.mark.slow
 def test_on_either_side_of_grad():
     want = jax.grad(block(reference_attention), (0, 1, 2, 3))(Q, K, V, W)
-    outer = jax.grad(autocast.amp(block(bf16_only_attention), compute_dtype=jnp.bfloat16), (0, 1, 2, 3))
-    inner = autocast.amp(jax.grad(block(bf16_only_attention), (0, 1, 2, 3)), compute_dtype=jnp.bfloat16)
+    outer = jax.grad(
+        autocast.amp(block(bf16_only_attention), compute_dtype=jnp.bfloat16), (0, 1, 2, 3)
+    )
+    inner = autocast.amp(
+        jax.grad(block(bf16_only_attention), (0, 1, 2, 3)), compute_dtype=jnp.bfloat16
+    )
     for got in (outer(Q, K, V, W), inner(Q, K, V, W)):
         assert [g.dtype for g in got] == [F32] * 4
         assert _measure.relative_error(got, want) < 0.05
@@ -117,7 +124,9 @@ def test_flax_attention_reaches_the_entry_point(monkeypatch):
     nnx = require("flax.nnx")
     seen = _seen(monkeypatch)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where JAX may choose cuDNN
-    mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0))
+    mha = nnx.MultiHeadAttention(
+        num_heads=4, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0)
+    )
     x = jax.random.normal(KEYS[0], (2, 16, 32))
 
     def loss(x):
@@ -131,12 +140,19 @@ def test_flax_attention_reaches_the_entry_point(monkeypatch):
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
 def test_cudnn_attention_under_amp_matches_a_hand_cast():
-    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, implementation="cudnn"
+    )
     q, k, v = (jax.random.normal(key, (2, 128, 4, 64)) for key in KEYS[:3])
     w = jax.random.normal(KEYS[3], (256, 64)) / 16
-    hand = jax.grad(lambda *a: block(cudnn)(*(x.astype(jnp.bfloat16) for x in a)).astype(F32), (0, 3))
+    hand = jax.grad(
+        lambda *a: block(cudnn)(*(x.astype(jnp.bfloat16) for x in a)).astype(F32), (0, 3)
+    )
     amped = jax.grad(autocast.amp(block(cudnn), compute_dtype=jnp.bfloat16), (0, 3))
     jaxpr = jax.make_jaxpr(amped)(q, k, v, w)
-    assert any("cudnn" in str(e.params).lower() or "attention" in e.primitive.name for e in _measure.equations(jaxpr))
+    assert any(
+        "cudnn" in str(e.params).lower() or "attention" in e.primitive.name
+        for e in _measure.equations(jaxpr)
+    )
     assert _measure.relative_error(amped(q, k, v, w), hand(q, k, v, w)) < 0.02
     assert not eqns_named(jaxpr, "exp")  # the softmax ran inside the fused kernel

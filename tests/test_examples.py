@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-
 from conftest import eqns_named, jaxpr_of, load_script, operand_dtypes, require
 
 pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
@@ -51,7 +50,9 @@ def test_flax_nnx_example_updates_batchnorm_and_dropout_state_under_amp():
     snaps = results["amp"]["snapshots"]
     assert float(jnp.abs(snaps[-1]["bn_mean"] - snaps[0]["bn_mean"]).max()) > 0.01
     assert snaps[-1]["bn_mean"].dtype == jnp.float32
-    assert [s["rng_count"] for s in snaps] == list(range(snaps[0]["rng_count"], snaps[0]["rng_count"] + 26))
+    assert [s["rng_count"] for s in snaps] == list(
+        range(snaps[0]["rng_count"], snaps[0]["rng_count"] + 26)
+    )
 
 
 def test_flax_nnx_mutating_loss_under_amp_loses_its_writes_as_documented():

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import eqns_named, operand_dtypes
 from hypothesis import given, settings
 
 import autocast
@@ -18,7 +19,7 @@ from autocast._src import fp8
 from autocast._src.demo import models as _models
 from autocast._src.demo import run as demo
 from autocast._src.tools import measure as _measure
-from conftest import eqns_named, operand_dtypes
+
 
 @pytest.fixture(autouse=True)
 def _float8_at_any_size(monkeypatch):
@@ -74,7 +75,11 @@ def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients
     assert (fp8_all - fp8_fwd) / back >= 0.95
     assert e5m2_all / back >= 0.40
     # attention's batched products run in bfloat16, as Transformer Engine runs them
-    batched = [tuple(v.aval.dtype.name for v in e.invars) for e in eqns_named(both, "dot_general") if _batched(e)]
+    batched = [
+        tuple(v.aval.dtype.name for v in e.invars)
+        for e in eqns_named(both, "dot_general")
+        if _batched(e)
+    ]
     assert batched and set(batched) == {("bfloat16", "bfloat16")}
     # float32 accumulation in every float8 product
     assert all(
@@ -86,7 +91,9 @@ def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients
     loss32, grads32 = jax.jit(jax.value_and_grad(_models.gpt_loss))(params, tokens)
     assert loss.dtype == jnp.float32 and np.isfinite(loss)
     assert abs(float(loss) - float(loss32)) < 0.05 * float(loss32)
-    same = jax.tree_util.tree_map(lambda g, r: g.dtype == r.dtype and g.shape == r.shape, grads, grads32)
+    same = jax.tree_util.tree_map(
+        lambda g, r: g.dtype == r.dtype and g.shape == r.shape, grads, grads32
+    )
     assert all(jax.tree_util.tree_leaves(same))
     assert autocast.all_finite(grads)
     assert _measure.relative_error(grads, grads32) < 0.2
@@ -254,15 +261,24 @@ def test_a_transformer_keeps_no_more_for_its_backward_pass_than_in_bfloat16():
     # float8 keeps its float8 copy beside the input (recomputing it would quantise again).
     # On this model that leaves them even: 1.004x (0.90x before bfloat16 recomputed chains)
     params, tokens = _demo_gpt()
-    f8 = _measure.residual_bytes(autocast.amp(_models.gpt_loss, compute_dtype="fp8"), params, tokens, include_inputs=False)
-    bf = _measure.residual_bytes(autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16), params, tokens, include_inputs=False)
+    f8 = _measure.residual_bytes(
+        autocast.amp(_models.gpt_loss, compute_dtype="fp8"), params, tokens, include_inputs=False
+    )
+    bf = _measure.residual_bytes(
+        autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16),
+        params,
+        tokens,
+        include_inputs=False,
+    )
     assert f8 < 1.02 * bf
 
 
 def test_a_users_policy_keeps_its_own_product_rows_and_fp8_can_go_to_one_scope():
     w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
     full = {**autocast.default_amp_policy, jax.lax.dot_general_p: autocast.use_full_precision}
-    jaxpr = jax.make_jaxpr(autocast.amp(lambda w, x: x @ w, compute_dtype="fp8", amp_policy=full))(w, x)
+    jaxpr = jax.make_jaxpr(autocast.amp(lambda w, x: x @ w, compute_dtype="fp8", amp_policy=full))(
+        w, x
+    )
     assert operand_dtypes(jaxpr, "dot_general") == [("float32", "float32")]
 
     def f(w, x):
@@ -326,13 +342,17 @@ def test_extreme_but_finite_operands_and_empty_ones():
     # two scales whose product leaves float32's range, on a product that is exactly zero
     np.testing.assert_array_equal(f(jnp.array([[1e22, 0.0]]), jnp.array([[0.0], [1e22]])), [[0.0]])
     # small times small, where the product of the scales alone would flush to zero
-    np.testing.assert_allclose(f(jnp.full((1, 4), 1e-18), jnp.full((4, 1), 1e-18)), [[4e-36]], rtol=0.1)
+    np.testing.assert_allclose(
+        f(jnp.full((1, 4), 1e-18), jnp.full((4, 1), 1e-18)), [[4e-36]], rtol=0.1
+    )
     assert f(jnp.ones((0, 4)), jnp.ones((4, 2))).shape == (0, 2)
     g = jax.grad(lambda x: jnp.sum(f(x, jnp.ones((4, 2)))))(jnp.ones((0, 4)))
     assert g.shape == (0, 4)
 
 
-@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="explicit sharding needs jax.set_mesh (JAX 0.7+)")
+@pytest.mark.skipif(
+    not hasattr(jax, "set_mesh"), reason="explicit sharding needs jax.set_mesh (JAX 0.7+)"
+)
 def test_gradients_keep_the_operands_explicit_sharding():
     from jax.sharding import AxisType, PartitionSpec
 

@@ -78,7 +78,9 @@ def test_history_rows_are_operand_and_gradient_amaxes_newest_first():
     assert history.measured == ((True, True, True), (True, True, True))
     assert len(history.amax) == 2 and all(h.shape == (3, H) for h in history.amax)
     first = history.amax[0]
-    assert np.all(first[0] == _bound(_amax_bf16(x))) and np.all(first[1] == _bound(_amax_bf16(params["w1"])))
+    assert np.all(first[0] == _bound(_amax_bf16(x))) and np.all(
+        first[1] == _bound(_amax_bf16(params["w1"]))
+    )
     x2 = x * 3.0
     _, new, _ = _step(delayed, history, params, x2)
     for old, nxt in zip(history.amax, new.amax):
@@ -130,7 +132,9 @@ def test_quantisations_wait_for_no_reduction_of_their_own_tensor():
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
     step_delayed = jax.make_jaxpr(jax.value_and_grad(delayed, argnums=(0, 1)))(history, params, x)
-    step_current = jax.make_jaxpr(jax.value_and_grad(autocast.amp(_mlp, compute_dtype="fp8")))(params, x)
+    step_current = jax.make_jaxpr(jax.value_and_grad(autocast.amp(_mlp, compute_dtype="fp8")))(
+        params, x
+    )
     assert _measure.float8_casts(step_delayed) == _measure.float8_casts(step_current) == 6
     assert _measure.serial_quantisations(step_current) == 6
     assert _measure.serial_quantisations(step_delayed) == 0
@@ -194,7 +198,9 @@ def test_refuses_what_does_not_fit():
     with pytest.raises(TypeError, match="Fp8History"):
         delayed(history.amax, params, x)
     with pytest.raises(ValueError, match="has 1 histories but the program has more"):
-        truncated = autocast.Fp8History(history.amax[:1], history.inbox[:1], history.measured[:1], history.program)
+        truncated = autocast.Fp8History(
+            history.amax[:1], history.inbox[:1], history.measured[:1], history.program
+        )
         delayed(truncated, params, x)
     with pytest.raises(ValueError, match=r"expected \(3, 4\)"):
         delayed(dataclasses.replace(history, amax=tuple(h[:, :2] for h in history.amax)), params, x)
@@ -284,7 +290,10 @@ def _scanned(params, x):
 
 
 def test_scanned_layers_each_take_their_own_history():
-    layers = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) * jnp.array([0.2, 0.3, 0.4])[:, None, None]
+    layers = (
+        jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8))
+        * jnp.array([0.2, 0.3, 0.4])[:, None, None]
+    )
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
     delayed = autocast.amp_fp8_delayed(_scanned, history=H)
     history = delayed.init(layers, x)
@@ -329,8 +338,10 @@ def test_without_the_histories_gradient_no_amax_pass_is_left():
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
     current = autocast.amp(_mlp, compute_dtype="fp8")
-    forward = (_measure.bytes_accessed(lambda p, x: delayed(history, p, x), params, x),
-               _measure.bytes_accessed(current, params, x))
+    forward = (
+        _measure.bytes_accessed(lambda p, x: delayed(history, p, x), params, x),
+        _measure.bytes_accessed(current, params, x),
+    )
     params_only = (
         _measure.bytes_accessed(jax.grad(lambda p, x: delayed(history, p, x)), params, x),
         _measure.bytes_accessed(jax.grad(current), params, x),
@@ -486,7 +497,9 @@ def test_under_a_loss_scaler_the_gradient_rows_follow_the_scale():
         history = history.advance(g_history)
     # the history keeps gradient amaxes at its own loss scale (1): the scaler's are undone
     assert float(history.loss_scale) == 1.0
-    assert np.asarray(history.amax[0][2]).tolist() == np.asarray(loss8.init(w, x).amax[0][2]).tolist()
+    assert (
+        np.asarray(history.amax[0][2]).tolist() == np.asarray(loss8.init(w, x).amax[0][2]).tolist()
+    )
 
 
 def test_a_loss_scale_applied_by_hand_takes_at_loss_scale():
@@ -502,4 +515,6 @@ def test_a_loss_scale_applied_by_hand_takes_at_loss_scale():
     # advance from a step at the history's own scale keeps that scale's amaxes
     moved = history.at_loss_scale(4.0)
     g_h, _ = jax.grad(lambda h, w, x: 4.0 * loss8(h, w, x), argnums=(0, 1))(moved, w, x)
-    assert np.asarray(moved.advance(g_h).amax[0][2]).tolist() == np.asarray(moved.amax[0][2]).tolist()
+    assert (
+        np.asarray(moved.advance(g_h).amax[0][2]).tolist() == np.asarray(moved.amax[0][2]).tolist()
+    )

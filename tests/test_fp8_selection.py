@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import eqns_named, operand_dtypes
 
 import autocast
 from autocast._src import fp8
-from conftest import eqns_named, operand_dtypes
 
 F8 = {"float8_e4m3fn", "float8_e5m2"}
 
@@ -29,7 +29,10 @@ def test_a_product_with_an_extent_below_16_runs_in_bfloat16(shapes):
     f = autocast.amp(lambda x, w: jnp.sum(x @ w), compute_dtype="fp8")
     dtypes = _product_dtypes(f, jnp.ones(shapes[0]), jnp.ones(shapes[1]))
     assert dtypes and all(set(d) == {"bfloat16"} for d in dtypes)
-    assert float(f(jnp.ones(shapes[0]), jnp.ones(shapes[1]))) == shapes[0][0] * shapes[0][1] * shapes[1][1]
+    assert (
+        float(f(jnp.ones(shapes[0]), jnp.ones(shapes[1])))
+        == shapes[0][0] * shapes[0][1] * shapes[1][1]
+    )
 
 
 def test_products_of_16_and_more_run_in_float8():
@@ -54,7 +57,9 @@ def test_rows_do_not_decide_so_one_example_and_one_shard_choose_as_the_batch():
 
 def test_extents_leave_batch_dimensions_out_and_read_convolutions():
     x, w = jnp.ones((8, 16, 16, 4)), jnp.ones((8, 4, 32))
-    (eqn,) = eqns_named(jax.make_jaxpr(lambda x, w: jnp.einsum("bmhk,bkn->bmhn", x, w))(x, w), "dot_general")
+    (eqn,) = eqns_named(
+        jax.make_jaxpr(lambda x, w: jnp.einsum("bmhk,bkn->bmhn", x, w))(x, w), "dot_general"
+    )
     assert fp8._extents(eqn) == (16 * 16, 32, 4)
     conv = lambda x, k: jax.lax.conv_general_dilated(  # noqa: E731
         x, k, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jaxpr_of, operand_dtypes, require
 
 import autocast
 from autocast._src.tools import measure as _measure
-from conftest import jaxpr_of, operand_dtypes, require
 
 BF16 = jnp.bfloat16
 
@@ -87,7 +87,9 @@ def test_equinox_mlp_with_static_fields_and_filtered_scaling():
     _check(lambda p, x: loss(eqx.combine(p, static), x), params, x)
     # the whole module (with its activation function field) through amp and loss scaling
     grad_fn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss, compute_dtype=jnp.float16))
-    state, (value, grads) = eqx.filter_jit(grad_fn)(model, x, dynamic_scaler_state=autocast.DynamicScalerState())
+    state, (value, grads) = eqx.filter_jit(grad_fn)(
+        model, x, dynamic_scaler_state=autocast.DynamicScalerState()
+    )
     assert np.isfinite(float(value)) and grads.activation is None
     assert grads.layers[0].weight.dtype == jnp.float32
 
@@ -122,16 +124,33 @@ def _equinox_layers():
         ("Linear", eqx.nn.Linear(16, 16, key=k[2]), lambda m: jax.vmap(m)(x)),
         ("MLP", eqx.nn.MLP(16, 8, 32, 2, key=k[2]), lambda m: jax.vmap(m)(x)),
         ("MultiheadAttention", eqx.nn.MultiheadAttention(4, 16, key=k[3]), lambda m: m(x, x, x)),
-        ("Dropout(0.0)", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[4]), eqx.nn.Dropout(0.0)]),
-         lambda m: jax.vmap(m)(x)),
-        ("Dropout inference", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[4]), eqx.nn.Dropout(0.3, inference=True)]),
-         lambda m: jax.vmap(m)(x)),
-        ("LayerNorm", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[5]), eqx.nn.LayerNorm(16)]),
-         lambda m: jax.vmap(m)(x)),
-        ("RMSNorm", eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[5]), eqx.nn.RMSNorm(16)]),
-         lambda m: jax.vmap(m)(x)),
-        ("GroupNorm", eqx.nn.Sequential([eqx.nn.Conv2d(3, 8, 3, key=k[6]), eqx.nn.GroupNorm(4, 8)]),
-         lambda m: m(img)),
+        (
+            "Dropout(0.0)",
+            eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[4]), eqx.nn.Dropout(0.0)]),
+            lambda m: jax.vmap(m)(x),
+        ),
+        (
+            "Dropout inference",
+            eqx.nn.Sequential(
+                [eqx.nn.Linear(16, 16, key=k[4]), eqx.nn.Dropout(0.3, inference=True)]
+            ),
+            lambda m: jax.vmap(m)(x),
+        ),
+        (
+            "LayerNorm",
+            eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[5]), eqx.nn.LayerNorm(16)]),
+            lambda m: jax.vmap(m)(x),
+        ),
+        (
+            "RMSNorm",
+            eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=k[5]), eqx.nn.RMSNorm(16)]),
+            lambda m: jax.vmap(m)(x),
+        ),
+        (
+            "GroupNorm",
+            eqx.nn.Sequential([eqx.nn.Conv2d(3, 8, 3, key=k[6]), eqx.nn.GroupNorm(4, 8)]),
+            lambda m: m(img),
+        ),
         ("Embedding", eqx.nn.Embedding(10, 16, key=k[7]), lambda m: jax.vmap(m)(jnp.arange(6))),
         ("GRUCell", eqx.nn.GRUCell(16, 16, key=k[3]), lambda m: m(x[0], x[1])),
     ]
@@ -142,7 +161,9 @@ def test_equinox_stock_layers_under_amp():
     eqx, layers = _equinox_layers()
     for name, model, apply in layers:
         loss = lambda m: jnp.mean(apply(m).astype(jnp.float32) ** 2)  # noqa: E731
-        value, grads = eqx.filter_value_and_grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))(model)
+        value, grads = eqx.filter_value_and_grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))(
+            model
+        )
         want, want_grads = eqx.filter_value_and_grad(loss)(model)
         np.testing.assert_allclose(value, want, rtol=3e-2, err_msg=name)
         got_leaves = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array))
@@ -152,6 +173,8 @@ def test_equinox_stock_layers_under_amp():
         params, static = eqx.partition(model, eqx.is_array)
         amp_loss = autocast.amp(loss, compute_dtype=jnp.bfloat16)
         jaxpr = jax.make_jaxpr(lambda p: amp_loss(eqx.combine(p, static)))(params)
-        products = operand_dtypes(jaxpr, "dot_general") + operand_dtypes(jaxpr, "conv_general_dilated")
+        products = operand_dtypes(jaxpr, "dot_general") + operand_dtypes(
+            jaxpr, "conv_general_dilated"
+        )
         if name != "Embedding":
             assert products and all(d == ("bfloat16", "bfloat16") for d in products), name

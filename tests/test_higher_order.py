@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import bind_closed_call, eqns_named, jaxpr_of, operand_dtypes
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -19,7 +20,6 @@ import autocast
 from autocast import _compat
 from autocast._src.demo import models as _models
 from autocast._src.tools import measure as _measure
-from conftest import bind_closed_call, eqns_named, jaxpr_of, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 W = jnp.linspace(-0.5, 0.5, 16, dtype=F32).reshape(4, 4)
@@ -33,14 +33,19 @@ def bf16_amp(fn, **kw):
 def assert_all_matmuls_16_bit(fn, *args):
     """Every matmul of amp(fn), and of its gradient, has bfloat16 operands."""
     amp_fn = bf16_amp(fn)
-    for jaxpr in (jaxpr_of(amp_fn, *args), jaxpr_of(jax.grad(lambda *a: jnp.sum(amp_fn(*a))), *args)):
+    for jaxpr in (
+        jaxpr_of(amp_fn, *args),
+        jaxpr_of(jax.grad(lambda *a: jnp.sum(amp_fn(*a))), *args),
+    ):
         dts = operand_dtypes(jaxpr, "dot_general")
         assert dts and set(dts) == {("bfloat16", "bfloat16")}, dts
 
 
 def assert_close_to_float32(fn, *args, rtol=3e-2):
     want, got = jax.jit(fn)(*args), jax.jit(bf16_amp(fn))(*args)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=rtol
+    )
     g_want = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a))))(*args)
     g_got = jax.jit(jax.grad(lambda *a: jnp.sum(bf16_amp(fn)(*a))))(*args)
     assert g_got.dtype == g_want.dtype
@@ -48,6 +53,7 @@ def assert_close_to_float32(fn, *args, rtol=3e-2):
 
 
 # --- jit --------------------------------------------------------------------------------------
+
 
 def test_activation_entering_a_jitted_helper_stays_16_bit():
     @jax.jit
@@ -74,6 +80,7 @@ def test_jit_parameters_are_kept():
 
 # --- scan, fori_loop, map, while ----------------------------------------------------------------
 
+
 def _scan_layers(ws, x):
     def body(h, w):
         return jnp.tanh(h @ w), jnp.sum(h)
@@ -91,7 +98,9 @@ def test_scan_runs_its_body_in_16_bit():
 def test_a_carry_keeps_one_dtype_and_is_cast_once_per_iteration():
     def fn(x):
         acc = jnp.zeros(())  # weak accumulator of float32 sums: stays float32
-        return lax.fori_loop(0, 4, lambda i, c: (c[0] + jnp.sum(c[1]), jnp.tanh(c[1] @ W)), (acc, x))
+        return lax.fori_loop(
+            0, 4, lambda i, c: (c[0] + jnp.sum(c[1]), jnp.tanh(c[1] @ W)), (acc, x)
+        )
 
     jaxpr = jaxpr_of(bf16_amp(fn), X)
     (loop,) = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
@@ -125,7 +134,9 @@ def test_lax_map_and_while_loop():
     assert_close_to_float32(mapped, X)
 
     def looped(x):
-        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ W)), (0, x))[1]
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ W)), (0, x))[
+            1
+        ]
 
     jaxpr = jaxpr_of(bf16_amp(looped), X)
     assert set(operand_dtypes(jaxpr, "dot_general")) == {("bfloat16", "bfloat16")}
@@ -135,6 +146,7 @@ def test_lax_map_and_while_loop():
 
 
 # --- cond / switch ------------------------------------------------------------------------------
+
 
 def test_cond_branches_agree_on_dtypes():
     def fn(x):
@@ -160,6 +172,7 @@ def test_switch_of_matmuls_and_its_gradient():
 
 # --- checkpoint ---------------------------------------------------------------------------------
 
+
 def test_checkpoint_keeps_policy_and_names():
     policy = jax.checkpoint_policies.save_only_these_names("hidden")
 
@@ -184,6 +197,7 @@ def test_checkpoint_keeps_policy_and_names():
 
 
 # --- custom derivatives -------------------------------------------------------------------------
+
 
 @jax.custom_vjp
 def scaled_tanh_matmul(x, w):
@@ -222,7 +236,9 @@ def test_custom_vjp_cotangents_come_back_in_the_dtypes_the_inputs_arrived_in():
 
     jaxpr = jaxpr_of(jax.grad(bf16_amp(loss)), X, W)
     assert jaxpr.out_avals[0].dtype == jnp.dtype(F32)
-    np.testing.assert_allclose(jax.grad(bf16_amp(loss))(X, W), jax.grad(loss)(X, W), rtol=6e-2, atol=6e-2)
+    np.testing.assert_allclose(
+        jax.grad(bf16_amp(loss))(X, W), jax.grad(loss)(X, W), rtol=6e-2, atol=6e-2
+    )
 
 
 def test_custom_jvp_nn_functions_keep_16_bit_inputs():
@@ -236,13 +252,16 @@ def test_custom_jvp_nn_functions_keep_16_bit_inputs():
 
 # --- calls ---------------------------------------------------------------------------------------
 
+
 def test_closed_call_is_evaluated_under_the_policy():
     closed = jax.make_jaxpr(lambda x: [jnp.tanh(x @ W)])(X)
 
     def fn(x):
         return bind_closed_call(closed, x)
 
-    assert set(operand_dtypes(jaxpr_of(bf16_amp(fn), X), "dot_general")) == {("bfloat16", "bfloat16")}
+    assert set(operand_dtypes(jaxpr_of(bf16_amp(fn), X), "dot_general")) == {
+        ("bfloat16", "bfloat16")
+    }
     np.testing.assert_allclose(bf16_amp(fn)(X), fn(X), rtol=3e-2, atol=3e-2)
 
 
@@ -268,13 +287,23 @@ def test_an_unknown_higher_order_primitive_is_refused_by_name():
 
 # --- shard_map and pmap run on 4 CPU devices, in a child process ---------------------------------
 
+
 @pytest.mark.slow
 def test_shard_map_and_pmap_on_several_devices():
     script = Path(__file__).with_name("multidevice_check.py")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert all(f"{what} ok" in done.stdout for what in ("shard_map", "psum", "loss scaling", "pmap", "fp8 history"))
+    assert all(
+        f"{what} ok" in done.stdout
+        for what in ("shard_map", "psum", "loss scaling", "pmap", "fp8 history")
+    )
 
 
 # --- random nests of all of the above (hypothesis) ---------------------------------------------

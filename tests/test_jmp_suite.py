@@ -26,9 +26,9 @@ from typing import Callable, NamedTuple
 import jax
 import numpy as np
 import pytest
+from conftest import require
 
 import autocast
-from conftest import require
 
 require("absl.testing.parameterized")
 

@@ -162,14 +162,22 @@ def test_adjust_accepts_python_and_numpy_bools():
 
 def test_next_loss_scale_is_the_same_rule():
     up = autocast.next_loss_scale(
-        jnp.bool_(True), jnp.float32(8.0), jnp.int32(1), jnp.int32(2), jnp.float32(2.0),
+        jnp.bool_(True),
+        jnp.float32(8.0),
+        jnp.int32(1),
+        jnp.int32(2),
+        jnp.float32(2.0),
         jnp.float32(1.0),
     )
     assert isinstance(up, autocast.LossScaleUpdate)
     assert up.loss_scale.dtype == jnp.float32 and up.counter.dtype == jnp.int32
     assert (float(up.loss_scale), int(up.counter)) == (16.0, 0)
     up = autocast.next_loss_scale(
-        jnp.bool_(False), jnp.float32(8.0), jnp.int32(1), jnp.int32(2), jnp.float32(4.0),
+        jnp.bool_(False),
+        jnp.float32(8.0),
+        jnp.int32(1),
+        jnp.int32(2),
+        jnp.float32(4.0),
         jnp.float32(4.0),
     )
     assert (float(up.loss_scale), int(up.counter)) == (4.0, 0)
@@ -455,8 +463,16 @@ def test_jmp_bug_d_non_float_leaves_pass_through_untouched(ls):
     ints = jnp.arange(3, dtype=jnp.int32)
     bools = jnp.array([True, False])
     np_ints = np.arange(2, dtype=np.int64)
-    tree = {"i": ints, "b": bools, "n": np_ints, "s": "name", "p": 0.5, "k": 3, "none": None,
-            "f": jnp.ones(2, jnp.float16)}
+    tree = {
+        "i": ints,
+        "b": bools,
+        "n": np_ints,
+        "s": "name",
+        "p": 0.5,
+        "k": 3,
+        "none": None,
+        "f": jnp.ones(2, jnp.float16),
+    }
     for out in (ls.scale(tree), ls.unscale(tree)):
         assert out["i"] is ints and out["b"] is bools and out["n"] is np_ints
         assert out["s"] == "name" and out["none"] is None
@@ -480,9 +496,7 @@ def _scale_roundtrip(ls, x):
 @settings(max_examples=50, deadline=None)
 @given(
     values=st.lists(
-        st.floats(2.0**-90, 2.0**90, width=32).flatmap(
-            lambda v: st.sampled_from([v, -v])
-        ),
+        st.floats(2.0**-90, 2.0**90, width=32).flatmap(lambda v: st.sampled_from([v, -v])),
         min_size=8,
         max_size=8,
     ),
@@ -647,8 +661,7 @@ def test_all_finite_ignores_non_float_leaves():
 
 def test_all_finite_under_jit():
     fn = jax.jit(autocast.all_finite)
-    tree = {"a": jnp.ones(3, jnp.float16), "b": [jnp.ones(2, jnp.bfloat16)],
-            "i": jnp.arange(3)}
+    tree = {"a": jnp.ones(3, jnp.float16), "b": [jnp.ones(2, jnp.bfloat16)], "i": jnp.arange(3)}
     out = fn(tree)
     assert out.dtype == jnp.bool_ and out.shape == () and bool(out) is True
     tree["b"] = [jnp.array([1.0, np.inf], jnp.bfloat16)]
@@ -834,8 +847,9 @@ def test_dynamic_constructed_from_traced_arguments():
         ls = autocast.DynamicLossScale(scale, counter, period, factor, floor)
         return ls, ls.adjust(jnp.bool_(True))
 
-    ls, nxt = build(jnp.float32(64.0), jnp.int32(2), jnp.int32(3), jnp.float32(2.0),
-                    jnp.float32(4.0))
+    ls, nxt = build(
+        jnp.float32(64.0), jnp.int32(2), jnp.int32(3), jnp.float32(2.0), jnp.float32(4.0)
+    )
     _assert_fields(ls, loss_scale=64.0, counter=2, period=3, factor=2.0, min_loss_scale=4.0)
     _assert_fields(nxt, loss_scale=128.0, counter=0)
 
@@ -891,6 +905,7 @@ def test_setting_an_attribute_raises(make, name):
 
 
 # --- review follow-ups ----------------------------------------------------------------------
+
 
 def test_fields_cannot_be_deleted():
     ls = autocast.DynamicLossScale(8.0)

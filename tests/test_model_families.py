@@ -7,9 +7,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from conftest import load_script
 
 import autocast
-from conftest import load_script
 
 pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
@@ -19,7 +19,10 @@ FAMILIES = {name: (make, batches) for name, make, batches in families.families()
 
 @pytest.fixture(scope="module")
 def measured():
-    return {name: families.measure(*FAMILIES[name], steps=0) for name in ("CNN BatchNorm", "CNN GroupNorm", "Linen GPT")}
+    return {
+        name: families.measure(*FAMILIES[name], steps=0)
+        for name in ("CNN BatchNorm", "CNN GroupNorm", "Linen GPT")
+    }
 
 
 @pytest.mark.parametrize("name", ["CNN BatchNorm", "CNN GroupNorm"])

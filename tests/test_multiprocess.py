@@ -37,7 +37,12 @@ TIMEOUT = 420  # seconds for one job; a 2-core machine running other tests is sl
 # devices first): float16 rounding, which adam's normalisation carries into the update
 # (measured: 4e-5 of 1 after 6 steps). shard_map's cases take a float32 pmean: float32
 # rounding (measured: bit-identical).
-TOLERANCE = {"case_dp_optax": 1e-3, "case_fsdp_jmp": 1e-3, "case_shard_map_jaxamp": 1e-5, "case_fp8_delayed": 1e-5}
+TOLERANCE = {
+    "case_dp_optax": 1e-3,
+    "case_fsdp_jmp": 1e-3,
+    "case_shard_map_jaxamp": 1e-5,
+    "case_fp8_delayed": 1e-5,
+}
 COMPARISONS = tuple(TOLERANCE)
 CHECKPOINTS = ("ck_bf16", "ck_f16_jaxamp", "ck_f16_optax", "ck_f16_jmp", "ck_fp8")
 
@@ -48,14 +53,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(script: Path, processes: int, args: list[str], timeout: float = TIMEOUT, env: dict | None = None) -> list[str]:
+def run_job(
+    script: Path, processes: int, args: list[str], timeout: float = TIMEOUT, env: dict | None = None
+) -> list[str]:
     """``script`` as ``processes`` local processes of one job (``MP_PROCESSES``, ``MP_ID``,
     ``MP_PORT`` set); their outputs, in process order. Fails with every process's output if
     one dies, or when the job outlives ``timeout`` (a process waiting on a dead peer would
     otherwise hang the suite)."""
     port = str(free_port())
     extra, env = env or {}, {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update({"JAX_PLATFORMS": "cpu", "MP_PROCESSES": str(processes), "MP_PORT": port, "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "JAX_PLATFORMS": "cpu",
+            "MP_PROCESSES": str(processes),
+            "MP_PORT": port,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     # the names docs/scaling_out.md's example reads, and the host devices it expects
     env.update({"COORDINATOR": f"localhost:{port}", "NUM_PROCESSES": str(processes), **extra})
     if script != CHILD:
@@ -63,8 +77,11 @@ def run_job(script: Path, processes: int, args: list[str], timeout: float = TIME
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), *args], env={**env, "MP_ID": str(i), "PROCESS_ID": str(i)},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, str(script), *args],
+            env={**env, "MP_ID": str(i), "PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(processes)
     ]
@@ -81,8 +98,14 @@ def run_job(script: Path, processes: int, args: list[str], timeout: float = TIME
         outputs.append(out)
         failed |= p.returncode != 0
     if failed:
-        shown = "\n".join(f"--- process {i} (exit {p.returncode}) ---\n{_tail(o)}" for i, (p, o) in enumerate(zip(procs, outputs)))
-        pytest.fail(f"{script.name} as {processes} process(es) {' '.join(args)} failed:\n{shown}", pytrace=False)
+        shown = "\n".join(
+            f"--- process {i} (exit {p.returncode}) ---\n{_tail(o)}"
+            for i, (p, o) in enumerate(zip(procs, outputs))
+        )
+        pytest.fail(
+            f"{script.name} as {processes} process(es) {' '.join(args)} failed:\n{shown}",
+            pytrace=False,
+        )
     return outputs
 
 
@@ -109,7 +132,9 @@ def jobs(tmp_path_factory):
                 out.mkdir(exist_ok=True)
                 ckpt.mkdir(exist_ok=True)
                 for phase in ("train", "resume"):
-                    logs[f"{n}-{phase}"] = run_job(CHILD, n, ["--out", str(out), "--ckpt", str(ckpt), "--phase", phase])
+                    logs[f"{n}-{phase}"] = run_job(
+                        CHILD, n, ["--out", str(out), "--ckpt", str(ckpt), "--phase", phase]
+                    )
                     (out / f"{phase}.log.json").write_text(json.dumps(logs[f"{n}-{phase}"]))
             done.write_text("{}")
     return root
@@ -131,13 +156,17 @@ def test_two_processes_train_as_one_process_on_as_many_devices(jobs, case):
     # the same decisions: the poisoned example (on process 1's device) skipped step 2 in
     # both, and the scale moved alike
     assert np.array_equal(one["skipped"], two["skipped"]), (one["skipped"], two["skipped"])
-    assert one["skipped"][1] == 0 and one["skipped"][2] == 1 and one["skipped"][-1] == 1, one["skipped"]
+    assert one["skipped"][1] == 0 and one["skipped"][2] == 1 and one["skipped"][-1] == 1, one[
+        "skipped"
+    ]
     assert np.array_equal(one["scale"], two["scale"]), (one["scale"], two["scale"])
     for key in one:
         if key not in ("skipped", "scale"):
             assert np.isfinite(one[key]).all(), f"{case}: {key} is not finite"
             atol = TOLERANCE[case] * np.abs(one[key]).max()
-            np.testing.assert_allclose(two[key], one[key], rtol=0, atol=atol, err_msg=f"{case}: {key}")
+            np.testing.assert_allclose(
+                two[key], one[key], rtol=0, atol=atol, err_msg=f"{case}: {key}"
+            )
 
 
 def test_every_process_took_the_same_decisions(jobs):
@@ -170,13 +199,20 @@ def test_report_and_diagnose_work_in_a_multi_process_job_and_print_once(jobs):
 @pytest.mark.parametrize("processes", (1, 2))
 @pytest.mark.parametrize("case", CHECKPOINTS)
 def test_resumed_from_a_checkpoint_runs_on_bit_for_bit(jobs, case, processes):
-    whole, resumed = _load(jobs, processes, f"{case}_train"), _load(jobs, processes, f"{case}_resume")
+    whole, resumed = (
+        _load(jobs, processes, f"{case}_train"),
+        _load(jobs, processes, f"{case}_resume"),
+    )
     assert whole.keys() == resumed.keys()
     for key in whole:
         assert whole[key].dtype == resumed[key].dtype, key
         # a NaN would make the comparison fail for another reason than the resume
-        assert not np.issubdtype(whole[key].dtype, np.floating) or np.isfinite(whole[key]).all(), key
-        assert np.array_equal(whole[key], resumed[key]), f"{case}, {processes} process(es): {key} differs"
+        assert not np.issubdtype(whole[key].dtype, np.floating) or np.isfinite(whole[key]).all(), (
+            key
+        )
+        assert np.array_equal(whole[key], resumed[key]), (
+            f"{case}, {processes} process(es): {key} differs"
+        )
 
 
 def test_the_float8_checkpoint_kept_rows_init_could_not_measure(jobs):
@@ -195,7 +231,14 @@ def test_the_scaling_out_page_s_example_runs_as_two_processes(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(block.group(1))
     outputs = run_job(script, 2, [], env={"CKPT_DIR": str(tmp_path / "ckpt")})
-    printed = [[line for line in out.splitlines() if not line.startswith("[Gloo]") and "WARNING" not in line] for out in outputs]
+    printed = [
+        [
+            line
+            for line in out.splitlines()
+            if not line.startswith("[Gloo]") and "WARNING" not in line
+        ]
+        for out in outputs
+    ]
     assert "skipped 1 of 6 steps, loss scale 16384" in printed[0], outputs[0]
     assert "restored bit for bit" in printed[0], outputs[0]
     assert not any(line.startswith(("skipped", "restored")) for line in printed[1]), outputs[1]

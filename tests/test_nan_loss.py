@@ -31,7 +31,9 @@ def test_the_jaxamp_face_skips_the_documented_train_step():
         finite = autocast.all_finite(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        params, opt_state = autocast.select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+        params, opt_state = autocast.select_tree(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
         return params, opt_state, scaler_state, loss
 
     opt_state, state = optimizer.init(W), autocast.DynamicScalerState()

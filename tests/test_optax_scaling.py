@@ -73,8 +73,18 @@ N_STEPS = 640
 BATCH = 64
 # Injected steps: a run of three consecutive bad batches, pairs, and singles; the gaps after
 # step 40 are longer than the growth period, so the scale also grows between injections.
-INJECTED = {10: np.nan, 11: np.inf, 12: -np.inf, 40: np.nan, 200: np.inf, 201: np.nan,
-            350: np.nan, 480: -np.inf, 481: np.nan, 620: np.inf}
+INJECTED = {
+    10: np.nan,
+    11: np.inf,
+    12: -np.inf,
+    40: np.nan,
+    200: np.inf,
+    201: np.nan,
+    350: np.nan,
+    480: -np.inf,
+    481: np.nan,
+    620: np.inf,
+}
 PERIOD = 100
 
 
@@ -122,9 +132,9 @@ def test_fault_injection_float16_amp_training():
             )
         else:
             assert not skipped_at or skipped_at[-1] != i, f"clean step {i} was skipped"
-            assert any(
-                not np.array_equal(a, b) for a, b in zip(before_params, after_params)
-            ), f"clean step {i} did not move the parameters"
+            assert any(not np.array_equal(a, b) for a, b in zip(before_params, after_params)), (
+                f"clean step {i} did not move the parameters"
+            )
         scales.append(float(aopt.loss_scale_of(opt_state).loss_scale))
 
     assert skipped_at == sorted(INJECTED)

@@ -22,11 +22,17 @@ F32, F16, BF16, F64 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloa
 @pytest.mark.parametrize(
     "name, dtype",
     [
-        ("f32", F32), ("float32", F32), ("full", F32),
-        ("f16", F16), ("float16", F16),
-        ("bf16", BF16), ("bfloat16", BF16),
-        ("f64", F64), ("float64", F64),
-        (" BF16 ", BF16), ("Float32", F32),
+        ("f32", F32),
+        ("float32", F32),
+        ("full", F32),
+        ("f16", F16),
+        ("float16", F16),
+        ("bf16", BF16),
+        ("bfloat16", BF16),
+        ("f64", F64),
+        ("float64", F64),
+        (" BF16 ", BF16),
+        ("Float32", F32),
         ("float8_e4m3fn", np.dtype(jnp.float8_e4m3fn)),
     ],
 )
@@ -68,8 +74,14 @@ def test_half_means_half_dtype_as_in_jmp(monkeypatch):
 @pytest.mark.parametrize(
     "name, dtype",
     [
-        ("bfloat16", BF16), ("float16", F16), ("float32", F32), ("f32", F32), ("bf16", BF16),
-        ("full", F32), ("f64", F64), (" BFloat16 ", BF16),
+        ("bfloat16", BF16),
+        ("float16", F16),
+        ("float32", F32),
+        ("f32", F32),
+        ("bf16", BF16),
+        ("full", F32),
+        ("f64", F64),
+        (" BFloat16 ", BF16),
         ("float8_e4m3fn", np.dtype(jnp.float8_e4m3fn)),
     ],
 )
@@ -151,11 +163,14 @@ def _mixed_tree():
     }
 
 
-@pytest.mark.parametrize("method, attr", [
-    ("cast_to_param", "param_dtype"),
-    ("cast_to_compute", "compute_dtype"),
-    ("cast_to_output", "output_dtype"),
-])
+@pytest.mark.parametrize(
+    "method, attr",
+    [
+        ("cast_to_param", "param_dtype"),
+        ("cast_to_compute", "compute_dtype"),
+        ("cast_to_output", "output_dtype"),
+    ],
+)
 def test_policy_casts_only_floating_array_leaves(method, attr):
     policy = autocast.Policy(F16, BF16, F32)  # three different targets, none needs x64
     tree = _mixed_tree()
@@ -164,7 +179,9 @@ def test_policy_casts_only_floating_array_leaves(method, attr):
     assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
     for key in ("f32", "bf16", "f16"):
         assert out[key].dtype == target, key
-        np.testing.assert_array_equal(np.asarray(out[key], np.float32), np.asarray(tree[key], np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(out[key], np.float32), np.asarray(tree[key], np.float32)
+        )
     assert isinstance(out["f16"], np.ndarray)  # NumPy arrays stay NumPy arrays
     for key in ("int", "bool", "np_int", "complex"):
         assert out[key].dtype == tree[key].dtype, key
@@ -186,7 +203,9 @@ def test_cast_tree_leaves_matching_leaves_untouched():
 
 
 def test_cast_tree_under_jit_emits_one_convert_per_leaf():
-    jaxpr = jax.make_jaxpr(lambda t: autocast.cast_to_half(t))({"a": jnp.ones(2), "i": jnp.arange(2)})
+    jaxpr = jax.make_jaxpr(lambda t: autocast.cast_to_half(t))(
+        {"a": jnp.ones(2), "i": jnp.arange(2)}
+    )
     converts = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
     assert len(converts) == 1
     assert converts[0].params["new_dtype"] == autocast.half_dtype()
@@ -215,6 +234,7 @@ def test_half_dtype_by_device(device, expected):
 
 
 # --- bad input: each error names the culprit and says what is accepted ----------------------
+
 
 @pytest.mark.parametrize(
     "text, match",

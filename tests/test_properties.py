@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DETERMINISTIC, program_text
 from hypothesis import HealthCheck, given, settings
 
 import autocast
 from autocast._src.tools.measure import equations
-from conftest import DETERMINISTIC, program_text
 
 F32, F16, BF16 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16))
 
@@ -315,7 +315,9 @@ def test_float32_compute_has_bit_identical_gradients(prog, seed, specials):
 def test_gradients_keep_primal_dtypes(prog, seed, dtypes, compute):
     floats, others = make_inputs(prog, seed, dtypes=dtypes)
     # Abstract evaluation traces exactly what a call would, without running it.
-    grads = jax.eval_shape(jax.grad(loss(autocast.amp(prog, compute_dtype=compute), others)), floats)
+    grads = jax.eval_shape(
+        jax.grad(loss(autocast.amp(prog, compute_dtype=compute), others)), floats
+    )
     assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(floats)
     for k, x in floats.items():
         assert grads[k].dtype == x.dtype, (k, grads[k].dtype, x.dtype)

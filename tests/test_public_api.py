@@ -13,13 +13,17 @@ import autocast
 import autocast.optax
 
 SRC = Path(autocast.__file__).parent
-PUBLIC = [(autocast, name) for name in autocast.__all__] + [(autocast.optax, n) for n in autocast.optax.__all__]
+PUBLIC = [(autocast, name) for name in autocast.__all__] + [
+    (autocast.optax, n) for n in autocast.optax.__all__
+]
 
 
 @pytest.mark.parametrize("module, name", PUBLIC, ids=[f"{m.__name__}.{n}" for m, n in PUBLIC])
 def test_every_public_name_is_documented_with_an_example(module, name):
     obj = getattr(module, name)
-    doc = inspect.getdoc(obj) if (inspect.isclass(obj) or callable(obj)) else _data_doc(module, name)
+    doc = (
+        inspect.getdoc(obj) if (inspect.isclass(obj) or callable(obj)) else _data_doc(module, name)
+    )
     assert doc and ">>>" in doc, f"{name}: no docstring with a runnable example"
     if inspect.isfunction(obj):
         assert "Returns:" in doc, f"{name}: no Returns: section"
@@ -32,7 +36,9 @@ def _data_doc(module, name):
     for path in SRC.rglob("*.py"):
         body = ast.parse(path.read_text()).body
         for node, after in zip(body, body[1:]):
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            targets = (
+                node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            )
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
                     return after.value.value
@@ -78,7 +84,7 @@ def test_no_import_circles():
 
     def visit(m):
         if m in stack:
-            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m) :] + [m]))
         if m in done:
             return
         stack.append(m)

@@ -33,7 +33,9 @@ def residual_avals(fn, *args):
     """The avals of what jax.vjp keeps, arguments left out."""
     jaxpr = jax.make_jaxpr(lambda *a: jax.tree_util.tree_leaves(jax.vjp(fn, *a)[1]))(*args).jaxpr
     inputs = set(jaxpr.invars)
-    return [v.aval for v in jaxpr.outvars if isinstance(v, jax.extend.core.Literal) or v not in inputs]
+    return [
+        v.aval for v in jaxpr.outvars if isinstance(v, jax.extend.core.Literal) or v not in inputs
+    ]
 
 
 def hidden_residuals(fn, *args, shape):
@@ -42,7 +44,9 @@ def hidden_residuals(fn, *args, shape):
 
 def recomputed_checkpoints(jaxpr):
     return sum(
-        1 for e in _measure.equations(jaxpr) if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is recompute_all
+        1
+        for e in _measure.equations(jaxpr)
+        if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is recompute_all
     )
 
 
@@ -55,9 +59,9 @@ def test_a_tanh_gelu_between_products_keeps_only_its_input():
     assert [a.dtype for a in kept] == [BF16]
     assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args)) == 1
     # the float32 program keeps more than twice as much
-    assert _measure.residual_bytes(amp, *args, include_inputs=False) < 0.4 * _measure.residual_bytes(
-        _gelu_mlp, *args, include_inputs=False
-    )
+    assert _measure.residual_bytes(
+        amp, *args, include_inputs=False
+    ) < 0.4 * _measure.residual_bytes(_gelu_mlp, *args, include_inputs=False)
 
 
 def test_recomputation_gives_the_same_bits_forward_and_backward():
@@ -67,9 +71,10 @@ def test_recomputation_gives_the_same_bits_forward_and_backward():
     amp = autocast.amp(_gelu_mlp, compute_dtype=BF16)
     plain = autocast.amp(jax.checkpoint(_gelu_mlp), compute_dtype=BF16)
     assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(plain))(*args)) == 0
-    (l1, g1), (l2, g2) = jax.jit(jax.value_and_grad(amp, argnums=(0, 1, 2)))(*args), jax.jit(
-        jax.value_and_grad(plain, argnums=(0, 1, 2))
-    )(*args)
+    (l1, g1), (l2, g2) = (
+        jax.jit(jax.value_and_grad(amp, argnums=(0, 1, 2)))(*args),
+        jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(*args),
+    )
     assert float(l1) == float(l2)
     for a, b in zip(g1, g2):
         np.testing.assert_array_equal(a, b)
@@ -104,9 +109,13 @@ def test_chains_in_a_scan_body_and_under_vmap():
     assert len(hidden_residuals(amp, ws1, ws2, x, shape=(2, 64, 128))) == 1
     # vmap on either side: the same chain, one kept array per layer
     per_row = lambda w1, w2, x: _gelu_mlp(w1, w2, x[None])  # noqa: E731
-    for fn in (jax.vmap(autocast.amp(per_row, compute_dtype=BF16), (None, None, 0)),
-               autocast.amp(jax.vmap(per_row, (None, None, 0)), compute_dtype=BF16)):
-        kept = hidden_residuals(fn, w1, w2, x, shape=(64, 1, 128)) + hidden_residuals(fn, w1, w2, x, shape=(64, 128))
+    for fn in (
+        jax.vmap(autocast.amp(per_row, compute_dtype=BF16), (None, None, 0)),
+        autocast.amp(jax.vmap(per_row, (None, None, 0)), compute_dtype=BF16),
+    ):
+        kept = hidden_residuals(fn, w1, w2, x, shape=(64, 1, 128)) + hidden_residuals(
+            fn, w1, w2, x, shape=(64, 128)
+        )
         assert len(kept) == 1
 
 
@@ -144,12 +153,20 @@ def test_a_product_of_two_activations_for_a_sum_runs_in_float32(dtype):
     def dot(x, w):
         return ((x @ w) * (x @ (1.5 * w))).sum(-1)
 
-    np.testing.assert_allclose(autocast.amp(cosine, compute_dtype=dtype)(x, w), [1.0, 1.0], rtol=1e-3)
-    np.testing.assert_allclose(autocast.amp(dot, compute_dtype=dtype)(x, w), [614400.0] * 2, rtol=1e-2)
+    np.testing.assert_allclose(
+        autocast.amp(cosine, compute_dtype=dtype)(x, w), [1.0, 1.0], rtol=1e-3
+    )
+    np.testing.assert_allclose(
+        autocast.amp(dot, compute_dtype=dtype)(x, w), [614400.0] * 2, rtol=1e-2
+    )
     # also with strongly typed inputs, and the gradient is finite
     xs, ws = x.astype(jnp.float32), w.astype(jnp.float32)
-    np.testing.assert_allclose(autocast.amp(dot, compute_dtype=dtype)(xs, ws), [614400.0] * 2, rtol=1e-2)
-    g = jax.grad(lambda x, w: autocast.amp(cosine, compute_dtype=dtype)(x, w).sum(), argnums=1)(xs, ws)
+    np.testing.assert_allclose(
+        autocast.amp(dot, compute_dtype=dtype)(xs, ws), [614400.0] * 2, rtol=1e-2
+    )
+    g = jax.grad(lambda x, w: autocast.amp(cosine, compute_dtype=dtype)(x, w).sum(), argnums=1)(
+        xs, ws
+    )
     assert bool(jnp.all(jnp.isfinite(g)))
 
 
@@ -162,7 +179,11 @@ def test_a_product_used_elsewhere_too_stays_16_bit():
         return p.sum(-1), p
 
     jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=F16))(x, w)
-    muls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul" and e.outvars[0].aval.shape == (4, 8)]
+    muls = [
+        e
+        for e in jaxpr.jaxpr.eqns
+        if e.primitive.name == "mul" and e.outvars[0].aval.shape == (4, 8)
+    ]
     assert [str(e.outvars[0].aval.dtype) for e in muls] == ["float16"]
 
 
@@ -191,7 +212,13 @@ def test_an_equinox_cnn_tail_keeps_its_pooled_activation_once():
     # the relu's output is only summed by the mean: the region of mean and layer norm keeps
     # none of it (it kept the relu's bfloat16 output beside the relu's own residuals, 0.96x
     # float32's bytes)
-    full = [a for a in residual_avals(amp, m, x) if math.prod(a.shape) == 8 * 32 * 16 * 16 and a.dtype == BF16]
+    full = [
+        a
+        for a in residual_avals(amp, m, x)
+        if math.prod(a.shape) == 8 * 32 * 16 * 16 and a.dtype == BF16
+    ]
     assert len(full) == 1  # the zeros jax.nn.relu's derivative keeps (float32 keeps them too)
-    ratio = _measure.residual_bytes(amp, m, x, include_inputs=False) / _measure.residual_bytes(loss, m, x, include_inputs=False)
+    ratio = _measure.residual_bytes(amp, m, x, include_inputs=False) / _measure.residual_bytes(
+        loss, m, x, include_inputs=False
+    )
     assert ratio < 0.65

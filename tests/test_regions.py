@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jaxpr_of, operand_dtypes
 
 import autocast
 from autocast import _compat
 from autocast._src.tools import measure as _measure
 from autocast._src.transform import regions
-from conftest import jaxpr_of, operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 P = jax.sharding.PartitionSpec
@@ -44,12 +44,16 @@ def test_a_normalisation_runs_in_float32_and_leaves_in_16_bits():
 
 def test_residuals_are_16_bit_activations_and_small_statistics():
     amp_fn = autocast.amp(layer_norm_mlp, compute_dtype=BF16)
-    residuals = jax.make_jaxpr(lambda w, x: jax.tree_util.tree_leaves(jax.vjp(amp_fn, w, x)[1]))(W, X)
-    full_f32 = [v for v in residuals.jaxpr.outvars if v.aval.dtype == F32 and v.aval.shape == X.shape]
-    assert full_f32 == []
-    assert _measure.residual_bytes(amp_fn, W, X, include_inputs=False) <= 0.8 * _measure.residual_bytes(
-        layer_norm_mlp, W, X, include_inputs=False
+    residuals = jax.make_jaxpr(lambda w, x: jax.tree_util.tree_leaves(jax.vjp(amp_fn, w, x)[1]))(
+        W, X
     )
+    full_f32 = [
+        v for v in residuals.jaxpr.outvars if v.aval.dtype == F32 and v.aval.shape == X.shape
+    ]
+    assert full_f32 == []
+    assert _measure.residual_bytes(
+        amp_fn, W, X, include_inputs=False
+    ) <= 0.8 * _measure.residual_bytes(layer_norm_mlp, W, X, include_inputs=False)
 
 
 def test_a_tanh_before_its_square_joins_the_region_however_the_square_is_spelled():
@@ -113,7 +117,10 @@ def test_a_reused_region_keeps_the_context_of_the_block_it_stands_for():
 
 def test_regions_keep_gradients_close_to_float32_on_both_sides_of_grad():
     ref = jax.grad(layer_norm_mlp)(W, X)
-    for g in (jax.grad(autocast.amp(layer_norm_mlp, compute_dtype=BF16)), autocast.amp(jax.grad(layer_norm_mlp), compute_dtype=BF16)):
+    for g in (
+        jax.grad(autocast.amp(layer_norm_mlp, compute_dtype=BF16)),
+        autocast.amp(jax.grad(layer_norm_mlp), compute_dtype=BF16),
+    ):
         got = g(W, X)
         assert got.dtype == F32
         assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 0.05
@@ -133,6 +140,7 @@ def test_a_float32_stream_is_not_narrowed():
 
 
 # --- float16: the cases PyTorch keeps in float32 ------------------------------------------
+
 
 def _rms(x, w):
     h = x @ w
@@ -158,7 +166,12 @@ _LOG_UNIFORM = jnp.exp(jax.random.uniform(KEY, (8, 300), minval=np.log(1e-3), ma
 
 @pytest.mark.parametrize(
     "fn, x",
-    [(_rms, _OUTLIERS), (_mse_rows, _OUTLIERS), (_reciprocal, _LOG_UNIFORM), (_softmax, _OUTLIERS * 0.01)],
+    [
+        (_rms, _OUTLIERS),
+        (_mse_rows, _OUTLIERS),
+        (_reciprocal, _LOG_UNIFORM),
+        (_softmax, _OUTLIERS * 0.01),
+    ],
     ids=["rmsnorm", "mse", "reciprocal", "softmax"],
 )
 def test_float16_unsafe_ops_stay_finite_where_float32_is(fn, x):
@@ -172,6 +185,7 @@ def test_float16_unsafe_ops_stay_finite_where_float32_is(fn, x):
 
 
 # --- policy rows ----------------------------------------------------------------------------
+
 
 def test_stack_of_two_16_bit_activations_stays_16_bit():
     fn = lambda w, x: jnp.stack([x @ w, x @ w * 2]).sum(0) @ w  # noqa: E731
@@ -252,7 +266,9 @@ def test_an_activation_gathered_for_a_matrix_product_is_gathered_in_16_bits():
         key: autocast.use_full_precision if str(key) == "all_gather" else rule
         for key, rule in autocast.default_amp_policy.items()
     }
-    jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16, amp_policy=policy), W, X)
+    jaxpr = jaxpr_of(
+        autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16, amp_policy=policy), W, X
+    )
     assert _collective_dtypes(jaxpr) == [("float32",)]
 
 
@@ -280,11 +296,14 @@ def test_a_jit_in_a_compute_scope_is_not_taken_for_a_matrix_product():
 
     fn = _compat.shard_map(local, mesh, (P("i"), P()), P("i"))
     policy = {**autocast.default_amp_policy, "proj": autocast.use_compute_precision}
-    jaxpr = jaxpr_of(autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16, amp_policy=policy), W, X)
+    jaxpr = jaxpr_of(
+        autocast.amp(lambda w, x: fn(w, x).sum(), compute_dtype=BF16, amp_policy=policy), W, X
+    )
     assert _collective_dtypes(jaxpr) == [("float32",)]
 
 
 # --- vmap on either side ------------------------------------------------------------------
+
 
 def _linear(x, w, b):
     return jnp.tanh(x @ w + b)
@@ -363,7 +382,9 @@ def test_a_region_never_keeps_more_than_float32(pool):
     x = jax.random.normal(jax.random.key(1), (32, 16, 64))
     loss = lambda w, x: pool(jax.nn.relu(x @ w))  # noqa: E731
     f32 = _measure.residual_bytes(loss, w, x, include_inputs=False)
-    amp = _measure.residual_bytes(autocast.amp(loss, compute_dtype=jnp.bfloat16), w, x, include_inputs=False)
+    amp = _measure.residual_bytes(
+        autocast.amp(loss, compute_dtype=jnp.bfloat16), w, x, include_inputs=False
+    )
     assert amp <= 0.8 * f32
     got = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))(w, x)
     assert _measure.relative_error(got, jax.grad(loss)(w, x)) < 0.03
@@ -380,15 +401,26 @@ def test_normalising_with_given_statistics_runs_in_float32(affine):
         return jnp.sum(jnp.tanh((h - mean) * inv + (0.1 if affine else 0.0)))
 
     f32 = jnp.float32  # (a fill without a dtype makes a weakly typed array)
-    x, w = jnp.full((8, 16), 1.0, f32), jnp.full((16, 32), 16.03, f32)  # h = 256.5: bfloat16 holds 256
-    mean, var = jnp.full((32,), 255.3, f32), jnp.full((32,), 0.25, f32)  # bfloat16 would round it to 255
+    x, w = (
+        jnp.full((8, 16), 1.0, f32),
+        jnp.full((16, 32), 16.03, f32),
+    )  # h = 256.5: bfloat16 holds 256
+    mean, var = (
+        jnp.full((32,), 255.3, f32),
+        jnp.full((32,), 0.25, f32),
+    )  # bfloat16 would round it to 255
     f = autocast.amp(bn_eval, compute_dtype=jnp.bfloat16)
     jaxpr = jax.make_jaxpr(f)(x, w, mean, var)
     subs = [e for e in _measure.equations(jaxpr) if e.primitive.name == "sub"]
     assert subs and all(e.outvars[0].aval.dtype == jnp.float32 for e in subs)
     # no float32 copy of the activation outside a region
-    assert not [e for e in jaxpr.jaxpr.eqns if e.outvars and e.outvars[0].aval.shape == (8, 32)
-                and e.outvars[0].aval.dtype == jnp.float32]
+    assert not [
+        e
+        for e in jaxpr.jaxpr.eqns
+        if e.outvars
+        and e.outvars[0].aval.shape == (8, 32)
+        and e.outvars[0].aval.dtype == jnp.float32
+    ]
     # what is left is the bfloat16 matrix product's own rounding of h
     h16 = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
     inv, shift = jax.lax.rsqrt(var + 1e-5) * (1.5 if affine else 1.0), 0.1 if affine else 0.0

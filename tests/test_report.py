@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from conftest import require
 
 import autocast
 from autocast._src.demo import models as _models
-from conftest import require
 
 
 def _gpt(**kw):
@@ -31,7 +31,12 @@ def test_report_on_the_gpt_model():
     assert sum(c.count for c in r.casts) == r.summary["casts"]
     assert any("models.py" in c.where for c in r.casts)  # casts point at the user's code
     text = str(r)
-    for needle in ("dot_general", "use_compute_precision", "casts amp added", "low_precision_flop_share"):
+    for needle in (
+        "dot_general",
+        "use_compute_precision",
+        "casts amp added",
+        "low_precision_flop_share",
+    ):
         assert needle in text
 
 
@@ -66,6 +71,7 @@ def test_report_of_a_function_with_integer_outputs():
 
 
 # --- typed PRNG keys (jax.random.key), as Flax's dropout carries them -----------------------
+
 
 def _check_dropout_report(r):
     """Matmuls in bfloat16; the key and the random bits drawn from it untouched."""
@@ -136,8 +142,9 @@ def test_report_when_a_key_is_kept_for_the_backward_pass_or_returned():
         key, sub = jax.random.split(key)
         return jnp.sum(layer(w, x, sub) ** 2), key
 
-    r = autocast.report(loss, compute_dtype=jnp.bfloat16)(jnp.ones((4, 4)), jnp.ones((2, 4)),
-                                                          jax.random.key(0))
+    r = autocast.report(loss, compute_dtype=jnp.bfloat16)(
+        jnp.ones((4, 4)), jnp.ones((2, 4)), jax.random.key(0)
+    )
     assert r.summary["low_precision_flop_share"] == {"forward": 1.0, "backward": 1.0}
     bits = [row for row in r.rows if row.primitive == "random_bits"]
     assert bits and all(row.input_dtypes.startswith("key<") for row in bits)
@@ -189,7 +196,9 @@ def _mean_after_products(w, x):
 def test_every_cast_is_placed_at_a_line_of_the_users_code():
     import inspect
 
-    r = autocast.report(_mean_after_products, compute_dtype=jnp.bfloat16)(jnp.ones((16, 16)), jnp.ones((16, 16)))
+    r = autocast.report(_mean_after_products, compute_dtype=jnp.bfloat16)(
+        jnp.ones((16, 16)), jnp.ones((16, 16))
+    )
     lines, first = inspect.getsourcelines(_mean_after_products)
     mean_line = first + next(i for i, text in enumerate(lines) if "jnp.mean" in text)
     assert r.casts and all(__file__ in c.where for c in r.casts), [c.where for c in r.casts]

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import eqns_named, operand_dtypes, require
 
 import autocast
 from autocast._src.tools import measure as _measure
-from conftest import eqns_named, operand_dtypes, require
 
 pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
@@ -134,8 +134,11 @@ def test_batchnorm_statistics_move_and_stay_float32(runs):
         assert bool(jnp.all(jnp.isfinite(c))), name
         if "ema" in name and "hidden" in name:  # the running mean and variance
             assert not np.array_equal(a, b) and not np.array_equal(b, c), name
-    variances = [v for p, v in jax.tree_util.tree_leaves_with_path(last)
-                 if "var_ema" in jax.tree_util.keystr(p) and "hidden" in jax.tree_util.keystr(p)]
+    variances = [
+        v
+        for p, v in jax.tree_util.tree_leaves_with_path(last)
+        if "var_ema" in jax.tree_util.keystr(p) and "hidden" in jax.tree_util.keystr(p)
+    ]
     assert len(variances) == 20 and all(bool(jnp.all(v >= 0)) for v in variances)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import jaxpr_of
 
 import autocast
-from conftest import jaxpr_of
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -69,14 +69,20 @@ def test_float32_compute_keeps_a_programs_own_16_bit_operations():
     fn = lambda a, b: jnp.exp(a.astype(BF16) @ b.astype(BF16) / 8).astype(F32)  # noqa: E731
     a = jax.random.normal(jax.random.PRNGKey(0), (16, 16))
     b = jax.random.normal(jax.random.PRNGKey(1), (16, 16))
-    np.testing.assert_array_equal(jax.jit(autocast.amp(fn, compute_dtype=F32))(a, b), jax.jit(fn)(a, b))
+    np.testing.assert_array_equal(
+        jax.jit(autocast.amp(fn, compute_dtype=F32))(a, b), jax.jit(fn)(a, b)
+    )
 
 
 def test_an_accumulator_starting_at_zeros_keeps_float32():
     xs = jax.random.normal(jax.random.PRNGKey(0), (200, 8))
     w = jax.random.normal(jax.random.PRNGKey(1), (8, 8)) / 3
-    fn = lambda xs, w: jax.lax.fori_loop(0, 200, lambda i, acc: acc + jax.nn.relu(xs[i] @ w), jnp.zeros(8))  # noqa: E731
-    (loop,) = [e for e in jaxpr_of(bf16_amp(fn), xs, w).eqns if e.primitive.name in ("scan", "while")]
+    fn = lambda xs, w: jax.lax.fori_loop(  # noqa: E731
+        0, 200, lambda i, acc: acc + jax.nn.relu(xs[i] @ w), jnp.zeros(8)
+    )
+    (loop,) = [
+        e for e in jaxpr_of(bf16_amp(fn), xs, w).eqns if e.primitive.name in ("scan", "while")
+    ]
     carries = [v.aval for v in loop.outvars if v.aval.shape == (8,)]
     assert [a.dtype for a in carries] == [jnp.dtype(F32)]
     ref = fn(xs, w)
@@ -91,7 +97,9 @@ def test_constant_positions_enter_a_checkpoint_unchanged():
         return jax.checkpoint(block)(x, jnp.arange(x.shape[0], dtype=F32))
 
     x = jnp.ones((2048, 2))
-    (remat,) = [e for e in jaxpr_of(bf16_amp(fn), x).eqns if e.primitive.name in ("remat2", "checkpoint")]
+    (remat,) = [
+        e for e in jaxpr_of(bf16_amp(fn), x).eqns if e.primitive.name in ("remat2", "checkpoint")
+    ]
     assert remat.invars[1].aval.dtype == jnp.dtype(F32)
     np.testing.assert_allclose(bf16_amp(fn)(x), fn(x), atol=1e-6)
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import eqns_named, operand_dtypes
 from jax import lax
 
 import autocast
@@ -13,7 +14,6 @@ from autocast import _compat
 from autocast._src.demo import models as _models
 from autocast._src.policy import precision as rules
 from autocast._src.tools import measure as _measure
-from conftest import eqns_named, operand_dtypes
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -37,15 +37,20 @@ def test_use_compute_precision_casts_floats_and_the_result_dtype():
     )
     assert [x.dtype for x in out] == [BF16, BF16, np.int32, bool, BF16]
     assert params == {"preferred_element_type": BF16, "axes": (0,)}
-    _, params = autocast.use_compute_precision(BF16, [F32], jnp.ones(2), preferred_element_type=None)
+    _, params = autocast.use_compute_precision(
+        BF16, [F32], jnp.ones(2), preferred_element_type=None
+    )
     assert params["preferred_element_type"] is None
-    _, params = autocast.use_compute_precision(BF16, [np.dtype(np.int8)], jnp.ones(2, jnp.int8),
-                                               preferred_element_type=np.dtype(np.int32))
+    _, params = autocast.use_compute_precision(
+        BF16, [np.dtype(np.int8)], jnp.ones(2, jnp.int8), preferred_element_type=np.dtype(np.int32)
+    )
     assert params["preferred_element_type"] == np.int32  # integer matmuls keep their accumulator
 
 
 def test_use_original_precision_restores_recorded_dtypes():
-    out, params = autocast.use_original_precision(BF16, ORIGINAL, *_args(), preferred_element_type=F32)
+    out, params = autocast.use_original_precision(
+        BF16, ORIGINAL, *_args(), preferred_element_type=F32
+    )
     assert [x.dtype for x in out] == [F32, F32, np.int32, bool, F32]
     assert params == {"preferred_element_type": F32}
 
@@ -73,8 +78,12 @@ def test_use_precision_builds_a_named_rule_and_validates():
 
 def test_float64_values_are_never_touched_by_any_rule():
     x = np.ones(2, np.float64)
-    for rule in (autocast.use_compute_precision, autocast.use_original_precision,
-                 autocast.use_widest_precision, autocast.use_precision(F16)):
+    for rule in (
+        autocast.use_compute_precision,
+        autocast.use_original_precision,
+        autocast.use_widest_precision,
+        autocast.use_precision(F16),
+    ):
         (out,), _ = rule(BF16, [np.dtype(np.float64)], x)
         assert out is x
 
@@ -106,11 +115,16 @@ def test_a_result_dtype_wider_than_the_operands_default_is_kept():
     assert p["preferred_element_type"] == BF16
     # a float result of integer operands is the user's choice too
     i8 = jnp.ones(2, jnp.int8)
-    _, p = autocast.use_compute_precision(BF16, [np.dtype(np.int8)] * 2, i8, i8,
-                                          preferred_element_type=F32)
+    _, p = autocast.use_compute_precision(
+        BF16, [np.dtype(np.int8)] * 2, i8, i8, preferred_element_type=F32
+    )
     assert p["preferred_element_type"] == F32
     # every rule that moves the result dtype keeps an explicit one
-    moving = (autocast.use_precision(F16), autocast.use_widest_precision, autocast.use_full_precision)
+    moving = (
+        autocast.use_precision(F16),
+        autocast.use_widest_precision,
+        autocast.use_full_precision,
+    )
     for rule in moving:
         _, p = rule(BF16, [BF16, BF16], a16, a16, preferred_element_type=F32)
         assert p["preferred_element_type"] == F32, rule
@@ -163,8 +177,9 @@ def test_squares_run_in_float32_and_cubes_in_the_input_dtype():
     # the squares of the bfloat16 activations, and the squares of the (float32) means
     assert operand_dtypes(jaxpr, "square") == [("float32",), ("float32",)]
     assert operand_dtypes(jaxpr, "integer_pow") == [("float32",), ("float32",)]
-    gelu = jax.make_jaxpr(autocast.amp(lambda x, w: jax.nn.gelu(x @ w, approximate=True),
-                                       compute_dtype=BF16))(x, w)
+    gelu = jax.make_jaxpr(
+        autocast.amp(lambda x, w: jax.nn.gelu(x @ w, approximate=True), compute_dtype=BF16)
+    )(x, w)
     cubes = eqns_named(gelu, "integer_pow")
     assert [(e.params["y"], e.invars[0].aval.dtype) for e in cubes] == [(3, BF16)]
 
@@ -193,13 +208,20 @@ def test_cast_rule_keeps_real_casts_and_drops_weak_type_only_ones():
 
 # --- the default table ------------------------------------------------------------------------
 
+
 def test_table_has_one_row_per_primitive_and_a_reason_for_each():
     names = [name for name, _, _ in autocast.DEFAULT_PRECISION_TABLE]
     assert len(names) == len(set(names))
-    public = {autocast.use_compute_precision, autocast.use_original_precision,
-              autocast.use_widest_precision, autocast.use_input_precision,
-              rules.use_float32_precision, rules.use_precision_by_exponent,
-              rules.use_input_precision_for_casts, autocast.use_own_precision}
+    public = {
+        autocast.use_compute_precision,
+        autocast.use_original_precision,
+        autocast.use_widest_precision,
+        autocast.use_input_precision,
+        rules.use_float32_precision,
+        rules.use_precision_by_exponent,
+        rules.use_input_precision_for_casts,
+        autocast.use_own_precision,
+    }
     for name, rule, reason in autocast.DEFAULT_PRECISION_TABLE:
         assert rule in public, name
         assert len(reason) > 20, name
@@ -219,7 +241,9 @@ def test_default_policy_is_the_table_plus_special_scopes():
 
 
 def test_matmuls_and_convolutions_are_the_only_compute_rows():
-    compute = {n for n, r, _ in autocast.DEFAULT_PRECISION_TABLE if r is autocast.use_compute_precision}
+    compute = {
+        n for n, r, _ in autocast.DEFAULT_PRECISION_TABLE if r is autocast.use_compute_precision
+    }
     assert compute == {"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
 
 
@@ -249,7 +273,9 @@ def test_kernels_keep_their_original_precision():
 
 
 def _cnn(params, x):
-    y = lax.conv_general_dilated(x, params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = lax.conv_general_dilated(
+        x, params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
     y = jax.nn.relu(y + params["b"])
     y = lax.reduce_window(y, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
     mean = y.mean(axis=(0, 1, 2))
@@ -302,16 +328,21 @@ def test_a_product_of_a_value_with_itself_is_a_square():
     assert muls and all(e.outvars[0].aval.dtype == jnp.float32 for e in muls)
     np.testing.assert_allclose(f16(x, w), norm(x, w), rtol=1e-3)
     unit = lambda x, w: (x @ w) / jnp.linalg.norm(x @ w, axis=-1, keepdims=True)  # noqa: E731
-    np.testing.assert_allclose(autocast.amp(unit, compute_dtype=jnp.float16)(x, w), unit(x, w), rtol=2e-3)
+    np.testing.assert_allclose(
+        autocast.amp(unit, compute_dtype=jnp.float16)(x, w), unit(x, w), rtol=2e-3
+    )
 
 
 @pytest.mark.parametrize(
     "spelling",
-    [lambda y: jnp.reciprocal(y), lambda y: y ** -1, lambda y: 1.0 / y, lambda y: jnp.divide(1, y)],
+    [lambda y: jnp.reciprocal(y), lambda y: y**-1, lambda y: 1.0 / y, lambda y: jnp.divide(1, y)],
     ids=["reciprocal", "pow -1", "1.0 / y", "divide"],
 )
 def test_every_spelling_of_one_over_x_is_float32(spelling):
-    x, w = jnp.full((2, 8), 1e-6, jnp.float32), jnp.eye(8) * 10  # x @ w is 1e-5: 1 / that overflows float16
+    x, w = (
+        jnp.full((2, 8), 1e-6, jnp.float32),
+        jnp.eye(8) * 10,
+    )  # x @ w is 1e-5: 1 / that overflows float16
     f = lambda x, w: spelling(x @ w)  # noqa: E731
     got = autocast.amp(f, compute_dtype=jnp.float16)(x, w)
     # finite, and as exact as the float16 product (a subnormal there) allows

@@ -1,4 +1,5 @@
-"""Tests for loss scaling around a differentiated function: ``autocast._src.scaling.jaxamp`` (jaxamp's face).
+"""Tests for loss scaling around a differentiated function: ``autocast._src.scaling.jaxamp``
+(jaxamp's face).
 
 Covers the ``DynamicScalerState`` rule (hand-written transitions, a property test against a
 plain-Python model run under one ``jit``, agreement with ``DynamicLossScale``), the shapes,
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import eqns_named, require
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -28,7 +30,6 @@ import autocast
 from autocast._src.demo import models as _models
 from autocast._src.scaling import jaxamp
 from autocast._src.tools import measure as _measure
-from conftest import eqns_named, require
 
 JAXAMP_FIELDS = ("patience", "adjust_factor", "scaler", "count", "total_resets")
 # after jaxamp's: the floor and the health counters (autocast.ScalingHealth)
@@ -55,7 +56,9 @@ AMP_MLP_F16 = autocast.amp(_models.mlp_loss, compute_dtype=jnp.float16)
 def _fields(state):
     """Every field of a DynamicScalerState as a Python number."""
     return {
-        name: (float if name in ("adjust_factor", "scaler", "min_scaler") else int)(getattr(state, name))
+        name: (float if name in ("adjust_factor", "scaler", "min_scaler") else int)(
+            getattr(state, name)
+        )
         for name in FIELDS
     }
 
@@ -79,8 +82,15 @@ def _assert_same_state(a, b):
 def _sample_state():
     # Every field differs from its default, so a field silently reset to its default shows.
     return autocast.DynamicScalerState(
-        patience=7, adjust_factor=4.0, scaler=2.0**9, count=3, total_resets=5,
-        min_scaler=0.5, skipped_in_a_row=2, steps_at_floor=1, zero_grad_steps=4,
+        patience=7,
+        adjust_factor=4.0,
+        scaler=2.0**9,
+        count=3,
+        total_resets=5,
+        min_scaler=0.5,
+        skipped_in_a_row=2,
+        steps_at_floor=1,
+        zero_grad_steps=4,
     )
 
 
@@ -218,7 +228,11 @@ def test_property_rule_matches_reference_and_dynamic_loss_scale(
     flags, patience, factor, scaler, count, resets
 ):
     state = autocast.DynamicScalerState(
-        patience=patience, adjust_factor=factor, scaler=scaler, count=count, total_resets=resets,
+        patience=patience,
+        adjust_factor=factor,
+        scaler=scaler,
+        count=count,
+        total_resets=resets,
         min_scaler=0.0,  # no floor but float32's smallest normal number, as the reference's
     )
     # The same core behind the jmp face: growth after patience + 1 finite steps, same floor.
@@ -335,9 +349,9 @@ def test_has_aux_return_shapes():
     state0 = autocast.DynamicScalerState()
     want_value, want_grads = jax.value_and_grad(_small_loss)(params, x)
 
-    state, ((value, aux), grads) = autocast.dynamic_scale_value_and_grad(
-        loss_aux, has_aux=True
-    )(params, x, dynamic_scaler_state=state0)
+    state, ((value, aux), grads) = autocast.dynamic_scale_value_and_grad(loss_aux, has_aux=True)(
+        params, x, dynamic_scaler_state=state0
+    )
     assert isinstance(state, autocast.DynamicScalerState)
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
     np.testing.assert_allclose(float(aux["double"]), 2 * float(want_value), rtol=1e-6)
@@ -413,6 +427,7 @@ def test_filter_true_gives_none_for_non_float_leaves():
     )
     for name in ("name", "n", "py_float", "act", "idx", "mask"):
         assert grads[name] is None, (name, grads[name])
+
     # The float leaves match jax.value_and_grad over them with the rest closed over.
     def over_floats(w, half):
         return _mixed_loss({**tree, "w": w, "half": half}, x)
@@ -482,7 +497,11 @@ def test_returned_function_advertises_dynamic_scaler_state():
     """The returned function takes the keyword dynamic_scaler_state, so tools that bind
     arguments by signature (eqx.filter_jit, jax.jit's donate_argnames) must accept it."""
     model = _Linear(
-        weight=jnp.eye(2), bias=jnp.zeros(2), label="d", activation=jnp.tanh, width=1,
+        weight=jnp.eye(2),
+        bias=jnp.zeros(2),
+        label="d",
+        activation=jnp.tanh,
+        width=1,
         steps=jnp.int32(0),
     )
     x = jnp.array([1.0, -2.0])
@@ -556,9 +575,9 @@ W8 = jnp.full((4,), 8.0, jnp.float32)
 
 
 def test_redo_on_nan_zero_returns_non_finite_and_halves():
-    state, (value, grads) = autocast.dynamic_scale_value_and_grad(
-        _overflowing_loss, redo_on_nan=0
-    )(W8, dynamic_scaler_state=autocast.DynamicScalerState())
+    state, (value, grads) = autocast.dynamic_scale_value_and_grad(_overflowing_loss, redo_on_nan=0)(
+        W8, dynamic_scaler_state=autocast.DynamicScalerState()
+    )
     assert not bool(autocast.all_finite(grads))
     assert float(value) == 256.0
     assert float(state.scaler) == 2.0**14
@@ -580,9 +599,9 @@ def test_redo_on_nan_enough_retries(k):
 
 def test_redo_on_nan_no_retry_when_first_attempt_is_finite():
     w = jnp.full((4,), 0.5, jnp.float32)  # 2w * 2**15 = 32768 fits float16
-    state, (value, grads) = autocast.dynamic_scale_value_and_grad(
-        _overflowing_loss, redo_on_nan=5
-    )(w, dynamic_scaler_state=autocast.DynamicScalerState())
+    state, (value, grads) = autocast.dynamic_scale_value_and_grad(_overflowing_loss, redo_on_nan=5)(
+        w, dynamic_scaler_state=autocast.DynamicScalerState()
+    )
     np.testing.assert_array_equal(np.asarray(grads), np.full(4, 1.0, np.float32))
     assert (float(state.scaler), int(state.count), int(state.total_resets)) == (2.0**15, 1, 0)
 
@@ -710,8 +729,15 @@ def test_round_trip_jit_and_pytree():
     # Under jit the rule uses the carried fields, not the defaults.
     adjusted = jax.jit(lambda x: x.adjust(F).adjust(F))(s)
     assert _fields(adjusted) == {
-        "patience": 7, "adjust_factor": 4.0, "scaler": 2.0**5, "count": 0, "total_resets": 7,
-        "min_scaler": 0.5, "skipped_in_a_row": 2, "steps_at_floor": 1, "zero_grad_steps": 4,
+        "patience": 7,
+        "adjust_factor": 4.0,
+        "scaler": 2.0**5,
+        "count": 0,
+        "total_resets": 7,
+        "min_scaler": 0.5,
+        "skipped_in_a_row": 2,
+        "steps_at_floor": 1,
+        "zero_grad_steps": 4,
     }
     # Built inside jit from traced values (the constructor may not inspect tracers).
     built = jax.jit(lambda p, a, sc, lo: autocast.DynamicScalerState(p, a, sc, 3, 5, lo, 2, 1, 4))(
@@ -900,13 +926,24 @@ def test_state_is_a_named_tuple():
     assert isinstance(s, tuple) and s._fields == FIELDS and len(s) == len(FIELDS)
     patience, factor, scaler, count, resets, *_ = s  # unpacking and iteration
     assert (int(patience), float(factor), float(scaler), int(count), int(resets)) == (
-        7, 4.0, 2.0**9, 3, 5,
+        7,
+        4.0,
+        2.0**9,
+        3,
+        5,
     )
     assert s[2] is s.scaler and list(s._asdict()) == list(FIELDS)
     assert s == _sample_state() and s != autocast.DynamicScalerState()
     assert autocast.DynamicScalerState._field_defaults == {
-        "patience": 2000, "adjust_factor": 2.0, "scaler": 2.0**15, "count": 0, "total_resets": 0,
-        "min_scaler": 1.0, "skipped_in_a_row": 0, "steps_at_floor": 0, "zero_grad_steps": 0,
+        "patience": 2000,
+        "adjust_factor": 2.0,
+        "scaler": 2.0**15,
+        "count": 0,
+        "total_resets": 0,
+        "min_scaler": 1.0,
+        "skipped_in_a_row": 0,
+        "steps_at_floor": 0,
+        "zero_grad_steps": 0,
     }
     # Positional order is jaxamp's, then the floor and the health counters.
     _assert_same_state(autocast.DynamicScalerState(7, 4.0, 2.0**9, 3, 5, 0.5, 2, 1, 4), s)
@@ -932,7 +969,8 @@ def test_replace_checks_and_converts_like_the_constructor():
 
 
 def test_integer_scaler_is_converted_to_float32():
-    """jaxamp converts an integer scaler to float32; so does autocast (the scale is kept in float32)."""
+    """jaxamp converts an integer scaler to float32; so does autocast (the scale is kept in
+    float32)."""
     for scaler in (2**15, jnp.int32(2**15), np.int64(2**15)):
         s = autocast.DynamicScalerState(scaler=scaler)
         _assert_storage(s)
@@ -1123,9 +1161,9 @@ def test_dynamic_scale_tx_with_aux_and_custom_functions():
         value, aux = out
         return value * state.loss_scale, aux
 
-    grad_fn = autocast.dynamic_scale_tx(
-        jax.grad, unscale_fn=unscale_grads_only, scale_fn=scale_fn
-    )(loss, has_aux=True)
+    grad_fn = autocast.dynamic_scale_tx(jax.grad, unscale_fn=unscale_grads_only, scale_fn=scale_fn)(
+        loss, has_aux=True
+    )
     state, (grads, aux) = grad_fn(jnp.ones(2), dynamic_scaler_state=autocast.DynamicScalerState())
     np.testing.assert_array_equal(np.asarray(grads), [2.0, 2.0])
     assert float(aux["n"]) == 7.0 and seen == ["DynamicScalerState"]
@@ -1197,6 +1235,7 @@ def test_dynamic_scale_tx_rejects_bad_arguments():
 
 # --- which gradients overflowed ------------------------------------------------------------
 
+
 def test_a_skipped_step_says_which_gradient_leaves_overflowed():
     def loss(p, x):  # the first product's cotangent is 10 * 2**15: inf in float16
         return 10.0 * jnp.sum(x @ p["big"]) + 1e-3 * jnp.sum(x @ p["small"])
@@ -1212,7 +1251,9 @@ def test_a_skipped_step_says_which_gradient_leaves_overflowed():
     params = {"big": jnp.ones((4, 4)), "small": jnp.ones((4, 4)), "count": jnp.int32(3)}
     x = jnp.ones((2, 4))
     jaxpr = jax.make_jaxpr(step)(params, autocast.DynamicScalerState(), x)
-    assert not any("callback" in e.primitive.name for e in _measure.equations(jaxpr))  # no host sync
+    assert not any(
+        "callback" in e.primitive.name for e in _measure.equations(jaxpr)
+    )  # no host sync
     scaler, flags = step(params, autocast.DynamicScalerState(), x)
     assert float(scaler.scaler) < 2.0**15  # the step was skipped and the scale lowered
     assert flags["count"] is None  # not differentiated (filter=True): no gradient, no flag

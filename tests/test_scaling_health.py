@@ -112,7 +112,9 @@ def test_optax_face_has_a_floor_and_counts_health():
     optax = pytest.importorskip("optax")
     import autocast.optax as aopt
 
-    tx = aopt.dynamic_loss_scaling(optax.sgd(0.1), autocast.DynamicLossScale(4.0), min_loss_scale=2.0)
+    tx = aopt.dynamic_loss_scaling(
+        optax.sgd(0.1), autocast.DynamicLossScale(4.0), min_loss_scale=2.0
+    )
     params = jnp.ones(2)
     state = tx.init(params)
     for _ in range(3):
@@ -147,8 +149,10 @@ def test_random_fault_schedules(faults, overflow):
     floor, top = 1.0, float(np.finfo(np.float32).max)
     scale = 2.0**18 if overflow else 2.0**8  # 2**18 makes float16 gradients overflow: retried
     history = _train(
-        autocast.DynamicScalerState(scaler=scale, patience=3), steps=len(faults),
-        bad_steps=tuple(i for i, f in enumerate(faults) if f), redo_on_nan=10,
+        autocast.DynamicScalerState(scaler=scale, patience=3),
+        steps=len(faults),
+        bad_steps=tuple(i for i, f in enumerate(faults) if f),
+        redo_on_nan=10,
     )
     for i, (before, after, state, _) in enumerate(history):
         assert floor <= float(state.scaler) <= top
@@ -156,4 +160,6 @@ def test_random_fault_schedules(faults, overflow):
             for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if sum(faults) <= 2:
-        assert not bool(autocast.stalled(history[-1][2], max_skipped_in_a_row=2, max_steps_at_floor=5))
+        assert not bool(
+            autocast.stalled(history[-1][2], max_skipped_in_a_row=2, max_steps_at_floor=5)
+        )

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import support_matrix as matrix
 from conftest import require
 
@@ -22,11 +21,20 @@ def _param(cell):
     return pytest.param(cell, id="/".join(cell), marks=[pytest.mark.slow] if heavy else [])
 
 
-@pytest.mark.parametrize("cell", [_param(c) for c in matrix.cells() if c[3] not in matrix.DEVICE_TRANSFORMS])
+@pytest.mark.parametrize(
+    "cell", [_param(c) for c in matrix.cells() if c[3] not in matrix.DEVICE_TRANSFORMS]
+)
 def test_cell(cell):
     framework = cell[0]
     if framework != "JAX":
-        require({"Flax Linen": "flax.linen", "Flax NNX": "flax.nnx", "Equinox": "equinox", "Haiku": "haiku"}[framework])
+        require(
+            {
+                "Flax Linen": "flax.linen",
+                "Flax NNX": "flax.nnx",
+                "Equinox": "equinox",
+                "Haiku": "haiku",
+            }[framework]
+        )
     refusal = matrix.expected(cell)
     if refusal is not None:
         with pytest.raises(refusal.error, match=refusal.says):
@@ -39,9 +47,17 @@ def test_cell(cell):
 @pytest.mark.slow
 def test_cells_over_several_devices():
     # one child process with 4 CPU devices runs them all (a device count is fixed at start)
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={matrix.DEVICES}", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={matrix.DEVICES}",
+        "JAX_PLATFORMS": "cpu",
+    }
     done = subprocess.run(
-        [sys.executable, matrix.__file__, "--device-cells"], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, matrix.__file__, "--device-cells"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
@@ -65,5 +81,6 @@ def test_every_pair_of_the_plain_axes_is_a_cell():
 def test_the_docs_table_is_the_tests_table():
     page = Path(__file__).parents[1] / "docs" / "support_matrix.md"
     assert page.read_text() == matrix.markdown(), (
-        "docs/support_matrix.md is out of date: .venv/bin/python tests/support_matrix.py > docs/support_matrix.md"
+        "docs/support_matrix.md is out of date: "
+        ".venv/bin/python tests/support_matrix.py > docs/support_matrix.md"
     )

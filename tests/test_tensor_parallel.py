@@ -24,7 +24,10 @@ def test_tensor_parallel_mlp_sums_in_bfloat16_and_tracks_float32(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the script asks for its 8 devices itself
     run = lambda: subprocess.run(  # noqa: E731
         [sys.executable, str(SCRIPT), "--steps", "30", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     done = run()
     if done.returncode != 0 and _STARVED in done.stderr:

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import require
 
 import autocast
 from autocast._src.tools import measure as _measure
-from conftest import require
 
 BF16 = jnp.bfloat16
 KEYS = jax.random.split(jax.random.key(7), 8)
@@ -65,8 +65,11 @@ def check_three_ways(loss, args, *, tol, argnums=0):
     @eqx.filter_jit
     def everything(*args):
         return (
-            loss(*args), amp_loss(*args), grad(loss)(*args),
-            grad(amp_loss)(*args), autocast.amp(grad(loss), compute_dtype=BF16)(*args),
+            loss(*args),
+            amp_loss(*args),
+            grad(loss)(*args),
+            grad(amp_loss)(*args),
+            autocast.amp(grad(loss), compute_dtype=BF16)(*args),
         )
 
     value, amp_value, want, outside, inside = everything(*args)
@@ -191,7 +194,9 @@ def equinox_custom_vjp_loss(x, w):
     return jnp.sum(layer(x, 2.0) ** 2)
 
 
-@pytest.mark.parametrize("loss", [symbolic_zeros_loss, equinox_custom_vjp_loss], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "loss", [symbolic_zeros_loss, equinox_custom_vjp_loss], ids=lambda f: f.__name__
+)
 def test_closures_in_rules_that_ask_for_symbolic_zeros(loss):
     check_three_ways(loss, (X, W), tol=0.05)
 
@@ -266,7 +271,7 @@ def test_custom_vjp_backward_inside_custom_jvp_runs_under_the_policy():
     check_three_ways(loss, (X, W), tol=0.05)
 
 
-# --- Equinox, diffrax, optimistix, lineax -----------------------------------------------------------
+# --- Equinox, diffrax, optimistix, lineax ------------------------------------------------
 
 diffrax = require("diffrax")
 optx = require("optimistix")
@@ -279,9 +284,16 @@ TARGET = jnp.stack([jnp.cos(TS), jnp.sin(TS)], -1)
 def ode_loss(adjoint):
     def loss(model):
         sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, m: m(y)), diffrax.Tsit5(), 0.0, 1.0, 0.1,
-            jnp.array([1.0, 0.0]), args=model, saveat=diffrax.SaveAt(ts=TS),
-            stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4), adjoint=adjoint,
+            diffrax.ODETerm(lambda t, y, m: m(y)),
+            diffrax.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.array([1.0, 0.0]),
+            args=model,
+            saveat=diffrax.SaveAt(ts=TS),
+            stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
+            adjoint=adjoint,
         )
         return jnp.mean((sol.ys - TARGET) ** 2)
 
@@ -290,7 +302,8 @@ def ode_loss(adjoint):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "adjoint", [diffrax.RecursiveCheckpointAdjoint(), diffrax.BacksolveAdjoint()],
+    "adjoint",
+    [diffrax.RecursiveCheckpointAdjoint(), diffrax.BacksolveAdjoint()],
     ids=lambda a: type(a).__name__,
 )
 def test_diffrax_neural_ode(adjoint):
@@ -320,8 +333,15 @@ def test_diffrax_neural_ode_trains():
 
 def ode_from(model, y0):
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(lambda t, y, m: m(y)), diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, args=model,
-        saveat=diffrax.SaveAt(ts=TS), stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
+        diffrax.ODETerm(lambda t, y, m: m(y)),
+        diffrax.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        args=model,
+        saveat=diffrax.SaveAt(ts=TS),
+        stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
     )
     return jnp.mean((sol.ys - TARGET) ** 2)
 
@@ -353,7 +373,10 @@ def root_loss(w):
     # Newton's tolerance matches bfloat16's resolution: a function evaluated in 16 bits cannot
     # be driven below its own rounding (see docs/third_party.md on iterative solvers).
     sol = optx.root_find(
-        lambda y, a: jnp.tanh(a @ y) + y - 1.0, optx.Newton(rtol=1e-2, atol=1e-2), jnp.zeros(2), args=w
+        lambda y, a: jnp.tanh(a @ y) + y - 1.0,
+        optx.Newton(rtol=1e-2, atol=1e-2),
+        jnp.zeros(2),
+        args=w,
     )
     return jnp.sum(sol.value**2)
 
@@ -373,7 +396,9 @@ def matrix_operator_loss(w, b):
     return jnp.sum(lx.linear_solve(op, b).value ** 2)
 
 
-@pytest.mark.parametrize("loss", [matrix_operator_loss, function_operator_loss], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "loss", [matrix_operator_loss, function_operator_loss], ids=lambda f: f.__name__
+)
 def test_lineax_solve(loss):
     check_three_ways(loss, (jnp.array([[3.0, 1.0], [1.0, 2.0]]), jnp.ones(2)), tol=0.05)
 
@@ -385,7 +410,9 @@ def test_lineax_solve_runs_in_float32_whichever_came_first():
     autocast.amp(matrix_operator_loss, compute_dtype=BF16)(w, b)
     jaxpr = jax.make_jaxpr(autocast.amp(function_operator_loss, compute_dtype=BF16))(w, b)
     solves = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "linear_solve"]
-    floats = [v.aval.dtype for e in solves for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    floats = [
+        v.aval.dtype for e in solves for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
+    ]
     assert solves and floats and set(floats) == {np.dtype(jnp.float32)}
 
 
@@ -399,9 +426,13 @@ def test_foreign_higher_order_primitive_interprets_its_jaxprs():
     prim.def_abstract_eval(lambda x, *, body: body[0].out_avals[0])
     from jax.interpreters import mlir
 
-    mlir.register_lowering(prim, mlir.lower_fun(
-        lambda x, *, body: jax.core.eval_jaxpr(body[0].jaxpr, body[0].consts, x)[0], multiple_results=False
-    ))
+    mlir.register_lowering(
+        prim,
+        mlir.lower_fun(
+            lambda x, *, body: jax.core.eval_jaxpr(body[0].jaxpr, body[0].consts, x)[0],
+            multiple_results=False,
+        ),
+    )
     body = jax.make_jaxpr(lambda v: jnp.tanh(v @ W))(X)
     f = lambda x: prim.bind(x, body=(body, "static"))  # noqa: E731
     jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=BF16))(X)

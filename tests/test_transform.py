@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DETERMINISTIC, eqns_named, jaxpr_of, operand_dtypes, program_text, require
 from jax import lax
 
 import autocast
 from autocast._src.demo import models as _models
 from autocast._src.tools import measure as _measure
-from conftest import DETERMINISTIC, eqns_named, jaxpr_of, operand_dtypes, program_text, require
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -30,6 +30,7 @@ X = jnp.linspace(-2, 2, 12, dtype=F32).reshape(3, 4)
 
 
 # --- 3.1 signature ---------------------------------------------------------------------------
+
 
 def test_returns_the_same_pytree_shapes_and_dtypes():
     def fn(params, batch, *, scale):
@@ -82,6 +83,7 @@ def test_gradients_come_back_in_the_primal_dtypes():
 
 # --- caching ----------------------------------------------------------------------------------
 
+
 def test_python_floats_are_traced_as_jit_traces_them():
     calls = []
 
@@ -120,15 +122,20 @@ def test_code_that_branches_on_a_python_number_sees_it():
     value, grads = eqx.filter_value_and_grad(bf16_amp(loss))(attention, x)
     want, want_grads = eqx.filter_value_and_grad(loss)(attention, x)
     np.testing.assert_allclose(value, want, rtol=2e-2)
-    assert _measure.relative_error(
-        jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array)),
-        jax.tree_util.tree_leaves(eqx.filter(want_grads, eqx.is_array)),
-    ) < 0.05
+    assert (
+        _measure.relative_error(
+            jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array)),
+            jax.tree_util.tree_leaves(eqx.filter(want_grads, eqx.is_array)),
+        )
+        < 0.05
+    )
 
     def branches(x, p):
         return x @ W if p == 0 else (x @ W) * p
 
-    assert float(bf16_amp(lambda x, p: branches(x, p).sum())(X, 0.0)) == pytest.approx(float(branches(X, 0.0).sum()), rel=2e-2)
+    assert float(bf16_amp(lambda x, p: branches(x, p).sum())(X, 0.0)) == pytest.approx(
+        float(branches(X, 0.0).sum()), rel=2e-2
+    )
 
 
 def test_a_python_float_passed_through_under_transformations():
@@ -146,7 +153,9 @@ def test_a_broadcast_parameter_keeps_its_bits_in_a_float32_rule():
     fn = lambda x, p: (x @ W + 3.0) ** p  # noqa: E731
     np.testing.assert_allclose(bf16_amp(fn)(X, p), fn(X, p), rtol=1e-2)
     casts = eqns_named(jaxpr_of(bf16_amp(fn), X, p), "convert_element_type")
-    assert not [e for e in casts if e.outvars[0].aval.shape == (1, 4) and e.outvars[0].aval.dtype == BF16]
+    assert not [
+        e for e in casts if e.outvars[0].aval.shape == (1, 4) and e.outvars[0].aval.dtype == BF16
+    ]
 
 
 @pytest.mark.parametrize(
@@ -174,7 +183,9 @@ def test_nested_amp_uses_the_outermost_settings():
     assert set(operand_dtypes(jaxpr_of(outer, W, X), "dot_general")) == {("float32", "float32")}
     # a nested amp under a transformation inside the outer one is transparent too
     outer = autocast.amp(jax.grad(lambda w, x: inner(w, x).sum()), compute_dtype=BF16)
-    assert {d for pair in operand_dtypes(jaxpr_of(outer, W, X), "dot_general") for d in pair} == {"bfloat16"}
+    assert {d for pair in operand_dtypes(jaxpr_of(outer, W, X), "dot_general") for d in pair} == {
+        "bfloat16"
+    }
 
 
 def test_a_callable_object_keeps_its_own_attributes():
@@ -234,6 +245,7 @@ def test_decorator_forms():
 
 # --- 3.2 decision order -----------------------------------------------------------------------
 
+
 def _scoped(w, x):
     with jax.named_scope("outer"):
         with jax.named_scope("inner"):
@@ -251,7 +263,10 @@ def test_outermost_scope_wins_then_primitive_then_default():
     dts = operand_dtypes(jaxpr_of(bf16_amp(_scoped, amp_policy=policy), W, X), "dot_general")
     assert dts == [("float16", "float16"), ("float16", "float16"), ("bfloat16", "bfloat16")]
 
-    inner_only = {"inner": autocast.use_original_precision, lax.dot_general_p: autocast.use_compute_precision}
+    inner_only = {
+        "inner": autocast.use_original_precision,
+        lax.dot_general_p: autocast.use_compute_precision,
+    }
     dts = operand_dtypes(jaxpr_of(bf16_amp(_scoped, amp_policy=inner_only), W, X), "dot_general")
     assert dts == [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "bfloat16")]
 
@@ -261,7 +276,7 @@ def test_amp_default_decides_unlisted_primitives():
     jaxpr = jaxpr_of(bf16_amp(lambda x: jnp.tanh(x) * 2, amp_policy=policy), X)
     assert operand_dtypes(jaxpr, "tanh") == [("bfloat16",)]
     # without the key, unlisted primitives keep their original precision
-    jaxpr = jaxpr_of(bf16_amp(lambda x: jnp.tanh(x.astype(BF16)) , amp_policy={}), X)
+    jaxpr = jaxpr_of(bf16_amp(lambda x: jnp.tanh(x.astype(BF16)), amp_policy={}), X)
     assert operand_dtypes(jaxpr, "tanh") == [("bfloat16",)]
 
 
@@ -333,6 +348,7 @@ def test_unsupported_higher_order_primitive_is_named_unless_stopped():
 
 
 # --- 3.5 eligibility --------------------------------------------------------------------------
+
 
 def test_integers_and_booleans_are_never_cast():
     def fn(x, ids, mask):
@@ -477,9 +493,12 @@ def test_scatter_combiner_is_retyped():
 
 # --- 3.7 composition --------------------------------------------------------------------------
 
+
 def _close(a, b, rtol=2e-2, atol=2e-2):
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(
+            np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol
+        )
 
 
 def test_jit_on_either_side_agrees():
@@ -550,14 +569,23 @@ def test_amp_over_a_whole_train_step():
 
 # --- 3.8 errors -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(compute_dtype=jnp.int8), TypeError, "compute_dtype must be a floating-point dtype.*int8"),
+        (
+            dict(compute_dtype=jnp.int8),
+            TypeError,
+            "compute_dtype must be a floating-point dtype.*int8",
+        ),
         (dict(compute_dtype="bf17"), ValueError, "(?i)unknown dtype 'bf17'"),
         (dict(amp_policy=[1]), TypeError, "amp_policy must be a dict"),
         (dict(amp_policy={3: autocast.use_original_precision}), TypeError, "key 3 is neither"),
-        (dict(amp_policy={"scope": "fp32"}), TypeError, r"amp_policy\['scope'\] must be a precision function"),
+        (
+            dict(amp_policy={"scope": "fp32"}),
+            TypeError,
+            r"amp_policy\['scope'\] must be a precision function",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
@@ -577,7 +605,11 @@ def test_precision_function_returning_wrong_count_is_named():
         return invars[:1], params
 
     f = bf16_amp(_matmul_chain, amp_policy={lax.dot_general_p: drops_one})
-    with pytest.raises(ValueError, match="precision function drops_one returned 1 inputs for primitive 'dot_general', which takes 2"):
+    with pytest.raises(
+        ValueError,
+        match="precision function drops_one returned 1 inputs for primitive 'dot_general', "
+        "which takes 2",
+    ):
         f(W, X)
 
 

@@ -49,7 +49,11 @@ def _demo(args: argparse.Namespace) -> None:
     if args.steps < 1:
         _refuse("demo", f"--steps must be a whole number of training steps >= 1, got {args.steps}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
-        _refuse("demo", f"--out {args.out!r} is a file; give a folder (new or existing) for the plot and figures")
+        _refuse(
+            "demo",
+            f"--out {args.out!r} is a file; give a folder (new or existing) for the plot "
+            "and figures",
+        )
     _demo_module(("optax", "matplotlib", "tqdm")).run(steps=args.steps, out=args.out)
     print(f"plot and figures written to {args.out}/")
 

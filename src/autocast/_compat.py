@@ -32,7 +32,10 @@ def is_plain_jit(eqn: Any) -> bool:
     p = eqn.params
     return (
         not any(p.get("donated_invars", ()))
-        and all(type(s).__name__ == "UnspecifiedValue" for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
+        and all(
+            type(s).__name__ == "UnspecifiedValue"
+            for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ()))
+        )
         and all(x is None for x in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))
         and not p.get("compiler_options_kvs")
         and not p.get("keep_unused", False)
@@ -322,7 +325,8 @@ def hook_custom_calls(*, vjp: Any, jvp: Any) -> None:
     ``vjp(self, original, args, kwargs)`` / ``jvp(...)``, which may call ``original``.
 
     amp needs to see these calls while the values they close over are alive
-    (:mod:`autocast._src.transform.closures`); JAX offers no hook, so the classes' ``__call__`` is wrapped,
+    (:mod:`autocast._src.transform.closures`); JAX offers no hook, so the classes'
+    ``__call__`` is wrapped,
     once. The hooks pass straight through unless amp is tracing.
     """
     for cls, hook in ((jax.custom_vjp, vjp), (jax.custom_jvp, jvp)):
@@ -330,7 +334,9 @@ def hook_custom_calls(*, vjp: Any, jvp: Any) -> None:
         if getattr(original, "_autocast_hook", False):
             continue
 
-        def call(self: Any, *args: Any, _original: Any = original, _hook: Any = hook, **kwargs: Any) -> Any:
+        def call(
+            self: Any, *args: Any, _original: Any = original, _hook: Any = hook, **kwargs: Any
+        ) -> Any:
             return _hook(self, _original, args, kwargs)
 
         call._autocast_hook = True  # type: ignore[attr-defined]
@@ -429,16 +435,22 @@ def retraceable(aval: Any) -> bool:
 
 def trace_open(fn: Any, args: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
     """``fn`` traced on the types of ``args``, as an open jaxpr and its constants."""
-    closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=aval_of(x).weak_type) for x in args))
+    closed = jax.make_jaxpr(fn)(
+        *(jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=aval_of(x).weak_type) for x in args)
+    )
     return open_jaxpr(closed)
 
 
-def bind_checkpoint(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *, policy: Any) -> Any:
+def bind_checkpoint(
+    jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *, policy: Any
+) -> Any:
     """What ``jax.checkpoint(fn, prevent_cse=False, policy=policy)(*args)`` binds, for an
     ``fn`` already traced to ``jaxpr`` (see :func:`trace_open`); its single output."""
     from jax._src.ad_checkpoint import remat_p
 
-    (out,) = remat_p.bind(*consts, *args, jaxpr=jaxpr, prevent_cse=False, differentiated=False, policy=policy)
+    (out,) = remat_p.bind(
+        *consts, *args, jaxpr=jaxpr, prevent_cse=False, differentiated=False, policy=policy
+    )
     return out
 
 

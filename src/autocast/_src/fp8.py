@@ -217,7 +217,9 @@ GEMM_FORMS = ("direct", "dequantised")
 _GEMM_FORM = "direct"
 
 
-def scaled_product(bind: Callable[..., Any], qa: Any, sa: Any, qb: Any, sb: Any, out_dtype: Any) -> Any:
+def scaled_product(
+    bind: Callable[..., Any], qa: Any, sa: Any, qb: Any, sb: Any, out_dtype: Any
+) -> Any:
     """``bind(a, b)`` of the float8 values ``qa * sa`` and ``qb * sb``, in ``out_dtype``;
     ``bind`` accumulates in float32."""
     if _GEMM_FORM == "dequantised":
@@ -268,8 +270,12 @@ def _operand_gradients(
     a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
     to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
     to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
-    da = scaled_product(lambda g, b: _evaluate(to_a, [g, b], recipe.gradient), qg, sg, qb, sb, dtypes[0])
-    db = scaled_product(lambda a, g: _evaluate(to_b, [a, g], recipe.gradient), qa, sa, qg, sg, dtypes[1])
+    da = scaled_product(
+        lambda g, b: _evaluate(to_a, [g, b], recipe.gradient), qg, sg, qb, sb, dtypes[0]
+    )
+    db = scaled_product(
+        lambda a, g: _evaluate(to_b, [a, g], recipe.gradient), qa, sa, qg, sg, dtypes[1]
+    )
     return da, db
 
 
@@ -537,7 +543,9 @@ def _another_rule(recipe: Recipe) -> PrecisionFn:
 
     batched = ", batched products" if recipe.batched_products else ""
     delayed = f", history {recipe.history}" if recipe.history else ""
-    rule.__name__ = rule.__qualname__ = f"use_fp8_precision({recipe.forward.name}{batched}{delayed})"
+    rule.__name__ = rule.__qualname__ = (
+        f"use_fp8_precision({recipe.forward.name}{batched}{delayed})"
+    )
     return rule
 
 
@@ -555,7 +563,9 @@ def rule_of(recipe: Recipe) -> PrecisionFn:
     return rule
 
 
-def with_fp8_products(policy: Mapping[PolicyKey, PrecisionFn], recipe: Recipe) -> dict[PolicyKey, PrecisionFn]:
+def with_fp8_products(
+    policy: Mapping[PolicyKey, PrecisionFn], recipe: Recipe
+) -> dict[PolicyKey, PrecisionFn]:
     """``policy`` with each matrix-product primitive it runs in the compute dtype run by
     ``recipe`` instead. Rows that say something else (a user's float32 ``dot_general``) and
     named scopes are kept as they are."""
@@ -566,4 +576,3 @@ def with_fp8_products(policy: Mapping[PolicyKey, PrecisionFn], recipe: Recipe) -
         if prim is not None and changed.get(prim) is use_compute_precision:
             changed[prim] = fp8_rule
     return changed
-

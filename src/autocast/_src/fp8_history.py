@@ -171,7 +171,9 @@ class Fp8History:
         under = jnp.asarray(0.0 if grad.loss_scale is None else grad.loss_scale, jnp.float32)
         own = jnp.asarray(self.loss_scale, jnp.float32)
         ratio = jnp.where(under > 0, own / jnp.where(under > 0, under, 1.0), 1.0)
-        return dataclasses.replace(self, amax=tuple(_pushed(h, g, ratio) for h, g in zip(self.amax, grad.inbox)))
+        return dataclasses.replace(
+            self, amax=tuple(_pushed(h, g, ratio) for h, g in zip(self.amax, grad.inbox))
+        )
 
     def measured_under(self, scale: Any) -> Fp8History:
         """This gradient of a history, marked as taken in a step whose loss was multiplied by
@@ -219,7 +221,9 @@ def _cotangent(x: Any) -> Any:
 
 # Equations that say where a value lives, not what is computed: shard_map's tracing adds them
 # (with varying-axis annotations on the types) where the same function traced outside has none.
-_PLACEMENT = frozenset({"pvary", "pbroadcast", "sharding_constraint", "mesh_cast", "reshard", "device_put"})
+_PLACEMENT = frozenset(
+    {"pvary", "pbroadcast", "sharding_constraint", "mesh_cast", "reshard", "device_put"}
+)
 
 
 def program_of(traced: Any) -> str:
@@ -251,7 +255,9 @@ class DelayedFp8:
         (True, 8, (3, 8))
     """
 
-    def __init__(self, fn: Callable[..., Any], history: int, amp_policy: Any, has_aux: bool = False) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], history: int, amp_policy: Any, has_aux: bool = False
+    ) -> None:
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValueError(f"amp_fp8_delayed: history must be an int >= 1, got {history!r}")
         self.history = history
@@ -269,7 +275,12 @@ class DelayedFp8:
         return name[1]
 
     def _evaluate(
-        self, traced: Any, ctx: Any, rows: Sequence[Any] | None, measuring: bool, dyn: Sequence[Any],
+        self,
+        traced: Any,
+        ctx: Any,
+        rows: Sequence[Any] | None,
+        measuring: bool,
+        dyn: Sequence[Any],
         measured: Sequence[tuple[bool, bool, bool]] | None = None,
     ) -> tuple[list, Slots]:
         """``traced`` evaluated under ``ctx`` with these histories handed to its products."""
@@ -306,7 +317,9 @@ class DelayedFp8:
             compiled = traced.compiled.get(key)
             if compiled is None:
                 compiled = traced.compiled[key] = jax.jit(
-                    lambda rows, *dyn: self._evaluate(traced, ctx, rows, False, dyn, state.measured)[0]
+                    lambda rows, *dyn: self._evaluate(
+                        traced, ctx, rows, False, dyn, state.measured
+                    )[0]
                 )
             return traced.rebuild(compiled(rows, *dyn))
         return traced.rebuild(self._evaluate(traced, ctx, rows, False, dyn, state.measured)[0])
@@ -341,6 +354,7 @@ class DelayedFp8:
         def measure(*dyn: Any) -> tuple:
             histories = [jnp.zeros(s, jnp.float32) for s in shapes]
             inboxes = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
+
             def run(inboxes: tuple) -> list:
                 outs = self._evaluate(traced, ctx, list(zip(histories, inboxes)), True, dyn)[0]
                 # with an aux, only the loss (the first output) is differentiated, so no
@@ -362,7 +376,11 @@ class DelayedFp8:
         zeros = tuple(jnp.zeros(inbox_shape(s), jnp.float32) for s in shapes)
         program = self._program(traced)
         return Fp8History(
-            tuple(filled), zeros, measured, program, jnp.float32(1.0),
+            tuple(filled),
+            zeros,
+            measured,
+            program,
+            jnp.float32(1.0),
             tuple(jnp.ones(_rows_shape(f), jnp.float32) for f in measured),
             jnp.asarray(_program_words(program)),
         )
@@ -422,7 +440,11 @@ class DelayedFp8:
         fields = ("amax", "inbox", "loss_scale", "measured_rows", "program_id")
         if isinstance(saved, Fp8History):
             saved = {k: getattr(saved, k) for k in fields}
-        if not hasattr(saved, "get") or saved.get("measured_rows") is None or saved.get("program_id") is None:
+        if (
+            not hasattr(saved, "get")
+            or saved.get("measured_rows") is None
+            or saved.get("program_id") is None
+        ):
             raise ValueError(
                 "amp_fp8_delayed.restore: saved must be a history's leaves, with measured_rows "
                 "and program_id (histories from init have them), as a mapping of its fields "
@@ -441,8 +463,11 @@ class DelayedFp8:
         shapes = self._shapes(traced, ctx, dyn)
         amax, inbox, rows = (tuple(saved[k]) for k in ("amax", "inbox", "measured_rows"))
         got = [tuple(np.shape(h)) for h in amax]
-        if got != [tuple(s) for s in shapes] or len(inbox) != len(shapes) or len(rows) != len(shapes) or any(
-            tuple(np.shape(b)) != inbox_shape(s) for b, s in zip(inbox, shapes)
+        if (
+            got != [tuple(s) for s in shapes]
+            or len(inbox) != len(shapes)
+            or len(rows) != len(shapes)
+            or any(tuple(np.shape(b)) != inbox_shape(s) for b, s in zip(inbox, shapes))
         ):
             raise ValueError(
                 f"amp_fp8_delayed.restore: the saved history's shapes {got} do not fit this "
@@ -455,7 +480,9 @@ class DelayedFp8:
                 "are not a history's (one array of shape (1 or 2,) * 3 per product)"
             )
         measured = tuple(_flags_of(np.shape(r)) for r in rows)
-        return Fp8History(amax, inbox, measured, program, saved["loss_scale"], rows, saved["program_id"])
+        return Fp8History(
+            amax, inbox, measured, program, saved["loss_scale"], rows, saved["program_id"]
+        )
 
 
 def amp_fp8_delayed(

@@ -29,6 +29,7 @@ def _hand(x: jax.Array, dtype: Any) -> jax.Array:
 
 # ---- MLP ---------------------------------------------------------------------------------
 
+
 def init_mlp(key: jax.Array, sizes: tuple[int, ...] = (32, 64, 64, 10)) -> list[Params]:
     keys = jax.random.split(key, len(sizes) - 1)
     return [_dense(k, a, b) for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
@@ -46,6 +47,7 @@ def mlp_loss(params: list[Params], x: jax.Array, y: jax.Array, hand_cast: Any = 
 
 
 # ---- GPT ---------------------------------------------------------------------------------
+
 
 def init_gpt(
     key: jax.Array, *, vocab: int = 64, d: int = 32, layers: int = 2, seq: int = 16

@@ -48,6 +48,7 @@ def _progress(total: int, label: str) -> Any:
 
         return tqdm(total=total, desc=label, ncols=90, leave=True)
     except ImportError:  # the demo extra is missing: a plain counter
+
         class Plain:
             def __init__(self) -> None:
                 self.n = 0
@@ -75,9 +76,12 @@ def _make_step(loss_fn: Callable[..., Any], optimizer: Any, scaled: bool) -> Cal
             finite = autocast.all_finite(grads)
             updates, new_opt = optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
-            params, opt_state = autocast.select_tree(finite, (new_params, new_opt), (params, opt_state))
+            params, opt_state = autocast.select_tree(
+                finite, (new_params, new_opt), (params, opt_state)
+            )
             return params, opt_state, scaler, loss
     else:
+
         def step(params, opt_state, scaler, tokens):
             loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
             updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -86,7 +90,9 @@ def _make_step(loss_fn: Callable[..., Any], optimizer: Any, scaled: bool) -> Cal
     return jax.jit(step)
 
 
-def run(steps: int = 600, out: str | Path = "autocast-demo", *, seed: int = 0, quiet: bool = False) -> dict:
+def run(
+    steps: int = 600, out: str | Path = "autocast-demo", *, seed: int = 0, quiet: bool = False
+) -> dict:
     """Trains the four ways, prints the table, writes ``demo.png`` and ``demo.json``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,8 +160,10 @@ def format_table(results: dict[str, dict]) -> str:
     """The comparison table, with losses relative to float32. The final loss is the trained
     model's float32 loss on held-out sums (8 batches of 64 windows of a text no run saw)."""
     ref = results["float32"]["final_loss"]
-    head = f"{'run':24} {'final loss':>10} {'vs f32':>7} {'step ms':>8} {'act. MB':>8} " \
-           f"{'16-bit FLOPs':>12} {'8-bit FLOPs':>11} {'skipped':>7} {'scale changes':>13}"
+    head = (
+        f"{'run':24} {'final loss':>10} {'vs f32':>7} {'step ms':>8} {'act. MB':>8} "
+        f"{'16-bit FLOPs':>12} {'8-bit FLOPs':>11} {'skipped':>7} {'scale changes':>13}"
+    )
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         lines.append(
@@ -194,11 +202,16 @@ def _plot(results: dict[str, dict], path: Path) -> None:
 def harmful_policy() -> dict:
     """The default policy with the softmax and cross-entropy's exponentials, logarithms and
     sums moved to the compute dtype: what a careless hand-written policy does."""
-    bad = {p: autocast.use_compute_precision for p in (jax.lax.exp_p, jax.lax.log_p, jax.lax.reduce_sum_p)}
+    bad = {
+        p: autocast.use_compute_precision
+        for p in (jax.lax.exp_p, jax.lax.log_p, jax.lax.reduce_sum_p)
+    }
     return {**autocast.default_amp_policy, **bad}
 
 
-def diagnose_demo(dtype: str = "float16", *, harmful: bool = True, rows: int = 12, seed: int = 0) -> str:
+def diagnose_demo(
+    dtype: str = "float16", *, harmful: bool = True, rows: int = 12, seed: int = 0
+) -> str:
     """The numerics debugger on a float16 training step's gradient of the demo's GPT (its
     size, a batch of its text, the loss multiplied by the loss scale float16 training
     starts from, 2**15): the table, then what the suggested policy does to the error."""
@@ -214,16 +227,21 @@ def diagnose_demo(dtype: str = "float16", *, harmful: bool = True, rows: int = 1
     start = time.perf_counter()
     d = autocast.diagnose(grad, compute_dtype=dtype, amp_policy=policy)(params, tokens)
     took = time.perf_counter() - start
-    cured = autocast.diagnose(grad, compute_dtype=dtype, amp_policy=d.suggested_policy)(params, tokens)
-    which = "a harmful policy (exp, log and reduce_sum in 16 bits)" if harmful else "the default policy"
+    cured = autocast.diagnose(grad, compute_dtype=dtype, amp_policy=d.suggested_policy)(
+        params, tokens
+    )
+    which = (
+        "a harmful policy (exp, log and reduce_sum in 16 bits)" if harmful else "the default policy"
+    )
     state = "finite" if cured.first_nonfinite is None else "still non-finite"
-    return "\n".join([
-        f"gradient of the demo GPT's loss x 2**15 under amp({dtype}) with {which}",
-        f"(diagnosed in {took:.1f} s)",
-        "",
-        d.table(rows),
-        "",
-        f"gradient relative error: {d.output_error:.3g} as given, {cured.output_error:.3g} "
-        f"with suggested_policy ({state})",
-    ])
-
+    return "\n".join(
+        [
+            f"gradient of the demo GPT's loss x 2**15 under amp({dtype}) with {which}",
+            f"(diagnosed in {took:.1f} s)",
+            "",
+            d.table(rows),
+            "",
+            f"gradient relative error: {d.output_error:.3g} as given, {cured.output_error:.3g} "
+            f"with suggested_policy ({state})",
+        ]
+    )

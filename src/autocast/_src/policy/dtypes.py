@@ -176,7 +176,8 @@ def cast_tree(dtype: Any, tree: T) -> T:
 
     Example:
         >>> import autocast, jax.numpy as jnp
-        >>> out = autocast.cast_tree(jnp.bfloat16, {"w": jnp.ones(2), "step": jnp.int32(3), "name": "x"})
+        >>> tree = {"w": jnp.ones(2), "step": jnp.int32(3), "name": "x"}
+        >>> out = autocast.cast_tree(jnp.bfloat16, tree)
         >>> out["w"].dtype, out["step"].dtype, out["name"]
         (dtype(bfloat16), dtype('int32'), 'x')
     """
@@ -342,7 +343,8 @@ class Policy:
 
     def __str__(self) -> str:
         return ",".join(
-            f"{_SHORT_KEYS[f.name]}={_SHORT_NAMES.get(getattr(self, f.name), getattr(self, f.name).name)}"
+            f"{_SHORT_KEYS[f.name]}="
+            f"{_SHORT_NAMES.get(getattr(self, f.name), getattr(self, f.name).name)}"
             for f in dataclasses.fields(self)
         )
 

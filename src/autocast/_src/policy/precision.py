@@ -99,7 +99,8 @@ def use_compute_precision(
         >>> a.dtype, params["preferred_element_type"]
         (dtype(bfloat16), dtype(bfloat16))
         >>> _, params = autocast.use_compute_precision(
-        ...     jnp.bfloat16, [jnp.bfloat16] * 2, jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.bfloat16),
+        ...     jnp.bfloat16, [jnp.bfloat16] * 2,
+        ...     jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.bfloat16),
         ...     preferred_element_type=jnp.float32)
         >>> params["preferred_element_type"] == jnp.float32
         True
@@ -305,8 +306,9 @@ def use_full_precision(
 
     Example:
         >>> import autocast, jax.numpy as jnp
-        >>> (a,), _ = autocast.use_full_precision(jnp.bfloat16, [jnp.float32], jnp.ones(2, jnp.bfloat16))
-        >>> (b,), _ = autocast.use_full_precision(jnp.bfloat16, [jnp.bfloat16], jnp.ones(2, jnp.bfloat16))
+        >>> x = jnp.ones(2, jnp.bfloat16)
+        >>> (a,), _ = autocast.use_full_precision(jnp.bfloat16, [jnp.float32], x)
+        >>> (b,), _ = autocast.use_full_precision(jnp.bfloat16, [jnp.bfloat16], x)
         >>> a.dtype, b.dtype
         (dtype('float32'), dtype(bfloat16))
     """

@@ -203,8 +203,15 @@ DEFAULT_PRECISION_TABLE: tuple[tuple[str, PrecisionFn, str], ...] = (
     *(
         (name, use_own_precision, _COLLECTIVE)
         for name in (
-            "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
-            "ppermute", "all_to_all", "reduce_scatter",
+            "psum",
+            "psum_invariant",
+            "pmax",
+            "pmin",
+            "all_gather",
+            "all_gather_invariant",
+            "ppermute",
+            "all_to_all",
+            "reduce_scatter",
         )
     ),
     *((name, use_own_precision, _VARYING_MARK) for name in ("pvary", "pbroadcast")),
@@ -229,11 +236,18 @@ Example:
 
 # Rules that never move a value to a dtype wider than compute_dtype nor to one the program
 # did not have: under a compute dtype of 32 bits or more, each keeps every dtype as recorded.
-_NEUTRAL_AT_FULL_WIDTH = frozenset({
-    use_compute_precision, use_original_precision, use_full_precision, use_widest_precision,
-    use_input_precision, use_own_precision, use_precision_by_exponent,
-    use_input_precision_for_casts,
-})
+_NEUTRAL_AT_FULL_WIDTH = frozenset(
+    {
+        use_compute_precision,
+        use_original_precision,
+        use_full_precision,
+        use_widest_precision,
+        use_input_precision,
+        use_own_precision,
+        use_precision_by_exponent,
+        use_input_precision_for_casts,
+    }
+)
 
 
 def changes_no_dtype(policy: Mapping[Any, PrecisionFn], compute_dtype: Any) -> bool:
@@ -300,5 +314,7 @@ def describe_default_policy() -> str:
     lines = ["| primitive | rule | why |", "|---|---|---|"]
     for name, rule, reason in DEFAULT_PRECISION_TABLE:
         lines.append(f"| `{name}` | {rule.__name__} | {reason} |")
-    lines.append("| anything else | use_original_precision | an unknown primitive is never degraded |")
+    lines.append(
+        "| anything else | use_original_precision | an unknown primitive is never degraded |"
+    )
     return "\n".join(lines)

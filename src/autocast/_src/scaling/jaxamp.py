@@ -209,7 +209,9 @@ class DynamicScalerState(_ScalerStateFields, LossScale):
             finite, scaler, count, self.patience + 1, self.adjust_factor, self.min_scaler
         )
         return self._replace_leaves(
-            scaler=update.loss_scale, count=update.counter, total_resets=resets + (~finite).astype(jnp.int32)
+            scaler=update.loss_scale,
+            count=update.counter,
+            total_resets=resets + (~finite).astype(jnp.int32),
         )
 
     def _replace_leaves(self, **changes: Any) -> DynamicScalerState:
@@ -248,7 +250,6 @@ def _filtered_value_and_grad(
         return jax.value_and_grad(inner, argnums=which, has_aux=has_aux, **grad_kwargs)(*diffs)
 
     return run
-
 
 
 def _check_options(fun: Any, redo_on_nan: Any, name: str = "fun") -> None:
@@ -306,7 +307,9 @@ def _kept(state: Any) -> Any:
     """``state`` after a step skipped without touching the scale (a non-finite loss, which a
     smaller scale cannot cure): its count of finite steps restarts, as after any skip."""
     if isinstance(state, DynamicScalerState):
-        return state._replace_leaves(count=jnp.zeros_like(state.count), total_resets=state.total_resets + 1)
+        return state._replace_leaves(
+            count=jnp.zeros_like(state.count), total_resets=state.total_resets + 1
+        )
     if isinstance(state, DynamicLossScale):
         return dataclasses.replace(state, counter=jnp.zeros_like(state.counter))
     return state
@@ -325,13 +328,17 @@ def _with_health(state: Any, finite: jax.Array, zero: jax.Array) -> Any:
     floor = jnp.maximum(jnp.asarray(state.min_scaler, jnp.float32), FLOAT32_TINY)
     health = next_health(
         ScalingHealth(state.skipped_in_a_row, state.steps_at_floor, state.zero_grad_steps),
-        finite=finite, at_floor=state.scaler <= floor, zero=zero,
+        finite=finite,
+        at_floor=state.scaler <= floor,
+        zero=zero,
     )
     return state._replace_leaves(**health._asdict())
 
 
 def _with_retries(
-    attempt: Callable[[Any], tuple[Any, jax.Array, jax.Array, jax.Array]], state: Any, redo_on_nan: int
+    attempt: Callable[[Any], tuple[Any, jax.Array, jax.Array, jax.Array]],
+    state: Any,
+    redo_on_nan: int,
 ) -> tuple[Any, Any]:
     """Runs ``attempt(state) -> (results, finite, retryable, zero)``, adjusts the state and,
     while the results are not finite, retries with the adjusted scale, up to ``redo_on_nan``
@@ -406,7 +413,9 @@ def _scaled_transform(
             results = unscale_fn(transformed(*args, **{_STATE_KEYWORD: state}, **kwargs), state)
             results = _measured_under(results, state.loss_scale)
             finite = check_finite_flag(finite_fn(results))
-            retryable = inputs_finite if loss_finite_fn is None else inputs_finite & loss_finite_fn(results)
+            retryable = (
+                inputs_finite if loss_finite_fn is None else inputs_finite & loss_finite_fn(results)
+            )
             zero = all_zero(grads_fn(results))
             if axis_name is not None:  # every device takes the same decisions
                 finite, retryable, zero = (
@@ -425,14 +434,18 @@ def _at_loss_scale(tree: Any, scale: Any) -> Any:
     history: ``at_loss_scale``) moved to ``scale``, the scale this attempt multiplies the
     loss by."""
     keeps = lambda x: callable(getattr(x, "at_loss_scale", None))  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: x.at_loss_scale(scale) if keeps(x) else x, tree, is_leaf=keeps)
+    return jax.tree_util.tree_map(
+        lambda x: x.at_loss_scale(scale) if keeps(x) else x, tree, is_leaf=keeps
+    )
 
 
 def _measured_under(tree: Any, scale: Any) -> Any:
     """``tree`` (the step's results) with the gradient of every such state marked as taken
     under ``scale`` (``measured_under``), so that the state's own update undoes it."""
     marks = lambda x: callable(getattr(x, "measured_under", None))  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: x.measured_under(scale) if marks(x) else x, tree, is_leaf=marks)
+    return jax.tree_util.tree_map(
+        lambda x: x.measured_under(scale) if marks(x) else x, tree, is_leaf=marks
+    )
 
 
 def _scale_loss(value: Any, state: Any) -> Any:
@@ -611,9 +624,12 @@ def dynamic_scale_value_and_grad(
         >>> import autocast, jax.numpy as jnp
         >>> loss = lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
         >>> grad_fn = autocast.dynamic_scale_value_and_grad(loss)
-        >>> state, (value, grads) = grad_fn(jnp.ones(2), dynamic_scaler_state=autocast.DynamicScalerState())
-        >>> value, grads, state.scaler, state.total_resets
-        (Array(2., dtype=float32), Array([2., 2.], dtype=float32), Array(16384., dtype=float32), Array(1, dtype=int32))
+        >>> start = autocast.DynamicScalerState()
+        >>> state, (value, grads) = grad_fn(jnp.ones(2), dynamic_scaler_state=start)
+        >>> value, grads
+        (Array(2., dtype=float32), Array([2., 2.], dtype=float32))
+        >>> state.scaler, state.total_resets
+        (Array(16384., dtype=float32), Array(1, dtype=int32))
     """
     _check_options(fun, redo_on_nan)
     argnums = grad_kwargs.pop("argnums", 0)
@@ -634,7 +650,8 @@ def dynamic_scale_value_and_grad(
         # counts the skip and a train step that checks them (all_finite) skips it too.
         loss_finite = all_finite(value_and_aux[0])
         grads = jax.tree_util.tree_map(
-            lambda g: jnp.where(loss_finite, g, jnp.nan) if is_inexact_array(g) else g, state.unscale(grads)
+            lambda g: jnp.where(loss_finite, g, jnp.nan) if is_inexact_array(g) else g,
+            state.unscale(grads),
         )
         return value_and_aux, grads
 
@@ -709,7 +726,11 @@ def dynamic_scale_grad(
         Array([2., 2.], dtype=float32)
     """
     value_and_grad = dynamic_scale_value_and_grad(
-        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter, axis_name=axis_name,
+        fun,
+        has_aux=has_aux,
+        redo_on_nan=redo_on_nan,
+        filter=filter,
+        axis_name=axis_name,
         **grad_kwargs,
     )
 

@@ -289,7 +289,11 @@ class DynamicLossScale(LossScale):
         factor = checked_scale(self.factor, "factor")
         period = checked_count(self.period, "period", minimum=1)
         counter = checked_count(self.counter, "counter", minimum=0)
-        f, lo, hi = concrete_value(factor), concrete_value(min_loss_scale), concrete_value(loss_scale)
+        f, lo, hi = (
+            concrete_value(factor),
+            concrete_value(min_loss_scale),
+            concrete_value(loss_scale),
+        )
         if f is not None and f <= 1:
             raise ValueError(f"factor must be greater than 1, got {f}")
         if lo is not None and hi is not None and hi < lo:

@@ -129,7 +129,8 @@ def dynamic_loss_scaling(
     """
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
-            f"dynamic_loss_scaling wraps an optax.GradientTransformation, got {type(inner).__name__}"
+            "dynamic_loss_scaling wraps an optax.GradientTransformation, got "
+            f"{type(inner).__name__}"
         )
     if getattr(inner.update, _MARK, False):
         raise TypeError(
@@ -155,10 +156,17 @@ def dynamic_loss_scaling(
                 "dynamic_loss_scaling (e.g. inside optax.chain): the gradients would be "
                 "unscaled twice; use it once, as the outermost wrapper"
             )
-        return LossScalingState(loss_scale, inner_state, ScalingHealth(*[jnp.zeros((), jnp.int32)] * 3))
+        return LossScalingState(
+            loss_scale, inner_state, ScalingHealth(*[jnp.zeros((), jnp.int32)] * 3)
+        )
 
     def update(
-        grads: Any, state: LossScalingState, params: Any = None, *, value: Any = None, **extra_args: Any
+        grads: Any,
+        state: LossScalingState,
+        params: Any = None,
+        *,
+        value: Any = None,
+        **extra_args: Any,
     ) -> tuple[Any, LossScalingState]:
         del extra_args  # other transformations' extra arguments, passed along by optax.chain
         grads = state.loss_scale.unscale(grads)
@@ -183,7 +191,9 @@ def dynamic_loss_scaling(
             lambda u: jnp.where(finite, u, jnp.negative(jnp.zeros_like(u))), updates
         )
         loss_scale = state.loss_scale.adjust(finite)
-        health = next_health(state.health, finite=finite, at_floor=_at_floor(loss_scale), zero=all_zero(grads))
+        health = next_health(
+            state.health, finite=finite, at_floor=_at_floor(loss_scale), zero=all_zero(grads)
+        )
         return updates, LossScalingState(loss_scale, inner_state, health)
 
     setattr(update, _MARK, True)

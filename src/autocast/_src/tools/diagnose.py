@@ -160,7 +160,12 @@ class Diagnosis:
         """
         ranked = sorted(
             self.entries,
-            key=lambda e: (e is not self.first_nonfinite, -e.added_error, -e.rel_error, -e.overflow),
+            key=lambda e: (
+                e is not self.first_nonfinite,
+                -e.added_error,
+                -e.rel_error,
+                -e.overflow,
+            ),
         )
         return ranked if n is None else ranked[:n]
 
@@ -218,7 +223,8 @@ def diagnose(
         >>> import autocast, jax.numpy as jnp
         >>> def f(w, x):
         ...     return jnp.sum(x @ w)
-        >>> d = autocast.diagnose(f, compute_dtype=jnp.float16)(jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0))
+        >>> w, x = jnp.full((4, 4), 300.0), jnp.full((2, 4), 300.0)
+        >>> d = autocast.diagnose(f, compute_dtype=jnp.float16)(w, x)
         >>> d.first_nonfinite.primitive, d.first_nonfinite.dtype
         ('dot_general', dtype('float16'))
         >>> fixed = autocast.amp(f, compute_dtype=jnp.float16, amp_policy=d.suggested_policy)
@@ -241,7 +247,9 @@ def diagnose(
                 return None
             site = len(sites)
             sites.append(paired.Site(eqn, ctx.path, ctx.callers))
-            marked = [paired.mark(x, site, i) if f else x for i, (x, f) in enumerate(zip(outs, floating))]
+            marked = [
+                paired.mark(x, site, i) if f else x for i, (x, f) in enumerate(zip(outs, floating))
+            ]
             return marked if many else marked[0]
 
         ctx = dataclasses.replace(base, observer=observe, path=_compat.current_scope_names())
@@ -256,7 +264,11 @@ def diagnose(
         amps, refs = jax.device_get(jax.jit(both)(*values))
         jax.effects_barrier()
         worst = max(
-            (paired.compare(a, r)[0] for a, r in zip(amps, refs) if is_floating_dtype(np.asarray(a).dtype)),
+            (
+                paired.compare(a, r)[0]
+                for a, r in zip(amps, refs)
+                if is_floating_dtype(np.asarray(a).dtype)
+            ),
             default=0.0,
         )
         entries = _entries(sites, recorder.stats, p.dtypes)
@@ -276,7 +288,9 @@ def diagnose(
             reference=traced.rebuild(refs),
             output_error=float(worst),
             diverged=recorder.diverged,
-            compute_dtype=ctx.compute_dtype if amp_fn.fp8_recipe is None else amp_fn.fp8_recipe.forward,
+            compute_dtype=ctx.compute_dtype
+            if amp_fn.fp8_recipe is None
+            else amp_fn.fp8_recipe.forward,
         )
 
     return run
@@ -293,7 +307,11 @@ def _on_one_device(tree: Any) -> Any:
     """
 
     def gather(x: Any) -> Any:
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or len(x.sharding.device_set) <= 1:
+        if (
+            not isinstance(x, jax.Array)
+            or isinstance(x, jax.core.Tracer)
+            or len(x.sharding.device_set) <= 1
+        ):
             return x
         if x.is_fully_addressable:
             return np.asarray(x)
@@ -367,7 +385,8 @@ def _fmt_err(x: float) -> str:
 def _render(d: Diagnosis, rows: int = 15) -> str:
     n_back = sum(e.backward for e in d.entries)
     lines = [
-        f"amp numerics diagnosis ({np.dtype(d.compute_dtype).name} compute; reference: the program in float32)",
+        f"amp numerics diagnosis ({np.dtype(d.compute_dtype).name} compute; "
+        "reference: the program in float32)",
         f"  {len(d.entries)} equations ({n_back} in backward passes); "
         f"output relative error {_fmt_err(d.output_error)}",
     ]
@@ -381,21 +400,41 @@ def _render(d: Diagnosis, rows: int = 15) -> str:
         lines.append("  no non-finite values where float32 has none")
     if d.diverged:
         lines.append(f"  control flow left the reference's {d.diverged} time(s)")
-    header = ("", "primitive", "ran in", "rel err", "added", "overflow", "underflow", "runs", "where")
+    header = (
+        "",
+        "primitive",
+        "ran in",
+        "rel err",
+        "added",
+        "overflow",
+        "underflow",
+        "runs",
+        "where",
+    )
     body = []
     for e in d.worst(rows):
         mark = "!" if e is d.first_nonfinite else ""
         prim = e.primitive + (" (bwd)" if e.backward else "")
-        body.append((
-            mark, prim, e.dtype.name, _fmt_err(e.rel_error), _fmt_err(e.added_error),
-            str(e.overflow), str(e.underflow), str(e.runs), e.where,
-        ))
+        body.append(
+            (
+                mark,
+                prim,
+                e.dtype.name,
+                _fmt_err(e.rel_error),
+                _fmt_err(e.added_error),
+                str(e.overflow),
+                str(e.underflow),
+                str(e.runs),
+                e.where,
+            )
+        )
     lines += ["", *_table(header, body)]
     if len(d.entries) > rows:
         lines.append(f"  ... {len(d.entries) - rows} more (Diagnosis.entries)")
     if d.culprits:
         keys = dict.fromkeys(
-            repr(e.policy_key) if isinstance(e.policy_key, str) else e.policy_key.name for e in d.culprits
+            repr(e.policy_key) if isinstance(e.policy_key, str) else e.policy_key.name
+            for e in d.culprits
         )
         lines += ["", f"  suggested_policy: the policy with {', '.join(keys)} in full precision"]
     return "\n".join(lines)

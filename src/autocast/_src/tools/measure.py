@@ -17,7 +17,9 @@ from autocast import _compat
 from autocast._src.tree import is_floating_dtype
 
 _REMAT_NAMES = frozenset({"remat2", "checkpoint"})
-MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"})
+MATMUL_NAMES = frozenset(
+    {"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
+)
 
 
 def equations(jaxpr: Any) -> Iterator[Any]:
@@ -70,7 +72,9 @@ def at_most_bits(bits: int) -> Callable[[list[Any]], bool]:
     return lambda dtypes: all(d.itemsize * 8 <= bits for d in dtypes)
 
 
-def flop_shares(forward: Any, both: Any | None, which: Callable[[list[Any]], bool]) -> dict[str, Any]:
+def flop_shares(
+    forward: Any, both: Any | None, which: Callable[[list[Any]], bool]
+) -> dict[str, Any]:
     """``{"forward": ..., "backward": ...}``: the share of matmul/conv FLOPs for whose operand
     dtypes ``which`` holds, in the jaxpr ``forward`` and in what the jaxpr ``both`` (forward
     and backward pass) adds to it; None where there are no such FLOPs or no ``both``."""
@@ -112,10 +116,7 @@ def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
 
 def float8_casts(jaxpr: Any) -> int:
     """Conversions to a float8 type: one per tensor quantised, each a pass over it."""
-    return sum(
-        eqn.outvars[0].aval.dtype.itemsize == 1
-        for eqn in float_casts(jaxpr)
-    )
+    return sum(eqn.outvars[0].aval.dtype.itemsize == 1 for eqn in float_casts(jaxpr))
 
 
 def _levels(jaxpr: Any) -> Iterator[Any]:
@@ -228,6 +229,7 @@ def residual_bytes(fn: Callable[..., Any], *args: Any, include_inputs: bool = Tr
     so what remains is the activation memory the forward pass adds. Computed abstractly:
     nothing runs.
     """
+
     def residuals(*a: Any) -> Any:
         return jax.tree_util.tree_leaves(jax.vjp(fn, *a)[1])
 
@@ -260,6 +262,8 @@ def planned_peak_bytes(compiled: Any) -> int | None:
     if peak:
         return int(peak)
     return int(
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
         - stats.alias_size_in_bytes
     )

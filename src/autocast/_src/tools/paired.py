@@ -45,7 +45,7 @@ def site_of(eqn: Any) -> int | None:
     name = eqn.params.get("name", "")
     if not isinstance(name, str) or not name.startswith(PREFIX):
         return None
-    return int(name[len(PREFIX):].split("/")[0])
+    return int(name[len(PREFIX) :].split("/")[0])
 
 
 def marked(jaxpr: Any) -> dict[Any, int]:
@@ -201,10 +201,16 @@ class Pass:
                 if site is not None:
                     # an equation amp evaluated as a call of its own (a scaled float8
                     # product): it ran in the narrowest dtype it computed with
-                    self._record(site, _narrowest(call[0]), [x.amp for x in outs], [x.ref for x in outs])
+                    self._record(
+                        site, _narrowest(call[0]), [x.amp for x in outs], [x.ref for x in outs]
+                    )
             else:
                 handler = _HANDLERS.get(eqn.primitive.name)
-                outs = handler(self, eqn, ins) if handler is not None else self._first_order(eqn, ins, marks)
+                outs = (
+                    handler(self, eqn, ins)
+                    if handler is not None
+                    else self._first_order(eqn, ins, marks)
+                )
             for v, x in zip(eqn.outvars, outs):
                 if not _compat.is_drop_var(v):
                     env[v] = x
@@ -229,7 +235,10 @@ class Pass:
         site = next((marks[v] for v in eqn.outvars if v in marks), None)
         if eqn.effects:
             ref_out = [_widened(a) for a in amp_out]  # effects happen once
-        elif _compat.sub_jaxpr_params(eqn.params) and eqn.primitive.name not in _compat.FIRST_ORDER_WITH_JAXPRS:
+        elif (
+            _compat.sub_jaxpr_params(eqn.params)
+            and eqn.primitive.name not in _compat.FIRST_ORDER_WITH_JAXPRS
+        ):
             # a call the pass does not look inside (shard_map, a kernel, another library's
             # primitive): its reference is computed as amp computes it
             ref_out = self._as_amp(eqn, ins)
@@ -245,8 +254,11 @@ class Pass:
         self.dtypes.setdefault(site, dtypes)
         floats = [i for i, a in enumerate(amp_out) if _is_float(a)]
         jax.debug.callback(
-            functools.partial(self.recorder.site, site), self.active,
-            [amp_out[i] for i in floats], [ref_out[i] for i in floats], ordered=True,
+            functools.partial(self.recorder.site, site),
+            self.active,
+            [amp_out[i] for i in floats],
+            [ref_out[i] for i in floats],
+            ordered=True,
         )
 
     def _reference(self, eqn: Any, ins: list[Value], site: int | None) -> list[Any]:
@@ -303,6 +315,7 @@ def _narrowest(jaxpr: Any) -> tuple[str, ...]:
 
 # --- the higher-order equations amp's program holds ----------------------------------------
 
+
 def _pack(values: Sequence[Value]) -> tuple[list, list]:
     return [x.amp for x in values], [x.ref for x in values]
 
@@ -325,7 +338,11 @@ def _scan(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
     prm = eqn.params
     body = prm["jaxpr"]
     n_consts, n_carry = _compat.scan_layout(eqn)
-    consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    consts, carry, xs = (
+        ins[:n_consts],
+        ins[n_consts : n_consts + n_carry],
+        ins[n_consts + n_carry :],
+    )
     init_a, init_r = _entering(carry)
 
     def step(state: tuple, x: tuple) -> tuple:
@@ -343,7 +360,11 @@ def _while(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
     prm = eqn.params
     cond, body = prm["cond_jaxpr"], prm["body_jaxpr"]
     n_cond, n_body = _compat.while_layout(eqn)
-    cond_consts, body_consts, carry = ins[:n_cond], ins[n_cond:n_cond + n_body], ins[n_cond + n_body:]
+    cond_consts, body_consts, carry = (
+        ins[:n_cond],
+        ins[n_cond : n_cond + n_body],
+        ins[n_cond + n_body :],
+    )
     init_a, init_r = _entering(carry)
     outer = p.active
 
@@ -384,7 +405,9 @@ def _cond(p: Pass, eqn: Any, ins: list[Value]) -> list[Value]:
         return run
 
     jax.debug.callback(p.recorder.diverge, index.amp != index.ref, ordered=True)
-    amps, refs = jax.lax.switch(index.amp, [branch(b) for b in eqn.params["branches"]], *_pack(operands))
+    amps, refs = jax.lax.switch(
+        index.amp, [branch(b) for b in eqn.params["branches"]], *_pack(operands)
+    )
     return _unpack(amps, refs)
 
 

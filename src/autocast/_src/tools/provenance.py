@@ -56,7 +56,14 @@ class Walk:
         return [read(v) for v in jaxpr.outvars]
 
 
-def _loop(w: Walk, body: Any, fixed: list[frozenset], carry: list[frozenset], rest: list[frozenset], n_carry: int) -> list[frozenset]:
+def _loop(
+    w: Walk,
+    body: Any,
+    fixed: list[frozenset],
+    carry: list[frozenset],
+    rest: list[frozenset],
+    n_carry: int,
+) -> list[frozenset]:
     """Runs a loop body until its carries' sources stop growing; returns the last outputs."""
     while True:
         outs = w.run(body, [*fixed, *carry, *rest])
@@ -69,15 +76,15 @@ def _loop(w: Walk, body: Any, fixed: list[frozenset], carry: list[frozenset], re
 def _scan(w: Walk, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
     p = eqn.params
     nc, nk = _compat.scan_layout(eqn)
-    outs = _loop(w, p["jaxpr"].jaxpr, ins[:nc], ins[nc:nc + nk], ins[nc + nk:], nk)
-    return [c | o for c, o in zip(ins[nc:nc + nk], outs[:nk])] + outs[nk:]
+    outs = _loop(w, p["jaxpr"].jaxpr, ins[:nc], ins[nc : nc + nk], ins[nc + nk :], nk)
+    return [c | o for c, o in zip(ins[nc : nc + nk], outs[:nk])] + outs[nk:]
 
 
 def _while(w: Walk, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
     p = eqn.params
     nc, nb = _compat.while_layout(eqn)
-    carry = ins[nc + nb:]
-    outs = _loop(w, p["body_jaxpr"].jaxpr, ins[nc:nc + nb], carry, [], len(carry))
+    carry = ins[nc + nb :]
+    outs = _loop(w, p["body_jaxpr"].jaxpr, ins[nc : nc + nb], carry, [], len(carry))
     return [c | o for c, o in zip(carry, outs)]
 
 

@@ -67,8 +67,9 @@ class Report:
 
     Example:
         >>> import autocast, jax.numpy as jnp
-        >>> r = autocast.report(lambda w: jnp.sum(w @ w), compute_dtype=jnp.bfloat16)(jnp.ones((2, 2)))
-        >>> [(row.primitive, row.input_dtypes, row.rule) for row in r.rows if row.primitive == "dot_general"]
+        >>> f = lambda w: jnp.sum(w @ w)
+        >>> r = autocast.report(f, compute_dtype=jnp.bfloat16)(jnp.ones((2, 2)))
+        >>> [(x.primitive, x.input_dtypes, x.rule) for x in r.rows if x.primitive == "dot_general"]
         [('dot_general', 'bfloat16,bfloat16', 'use_compute_precision')]
     """
 
@@ -80,13 +81,20 @@ class Report:
         lines = ["amp precision report", ""]
         lines += _table(
             ("primitive", "count", "inputs", "outputs", "rule"),
-            [(r.primitive, str(r.count), r.input_dtypes, r.output_dtypes, r.rule) for r in self.rows],
+            [
+                (r.primitive, str(r.count), r.input_dtypes, r.output_dtypes, r.rule)
+                for r in self.rows
+            ],
         )
         lines += ["", "casts amp added"]
-        lines += _table(
-            ("from", "to", "where", "count"),
-            [(c.source, c.target, c.where, str(c.count)) for c in self.casts],
-        ) if self.casts else ["  (none)"]
+        lines += (
+            _table(
+                ("from", "to", "where", "count"),
+                [(c.source, c.target, c.where, str(c.count)) for c in self.casts],
+            )
+            if self.casts
+            else ["  (none)"]
+        )
         lines += ["", "summary"]
         lines += [f"  {k}: {_fmt(v)}" for k, v in self.summary.items()]
         return "\n".join(lines)
@@ -101,7 +109,9 @@ def _fmt(v: Any) -> str:
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
+    ]
     line = lambda cells: ("  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))).rstrip()  # noqa: E731
     return [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
 
@@ -155,7 +165,9 @@ def _cotangent(out: Any) -> Any:
     return np.zeros(out.shape, jax.dtypes.float0)
 
 
-def _over_floats(f: Callable[..., Any], leaves: list, in_tree: Any, floats: list[int]) -> Callable[..., Any]:
+def _over_floats(
+    f: Callable[..., Any], leaves: list, in_tree: Any, floats: list[int]
+) -> Callable[..., Any]:
     """``f`` as a function of the floating-point array leaves of its arguments (positions
     ``floats``), the others held as given, returning its floating-point array outputs: what
     a gradient can be taken of, as Equinox's filtered transformations take it."""
@@ -214,7 +226,8 @@ def report(
         >>> import autocast, jax, jax.numpy as jnp
         >>> def loss(w, x):
         ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
-        >>> r = autocast.report(loss, compute_dtype=jnp.bfloat16)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+        >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+        >>> r = autocast.report(loss, compute_dtype=jnp.bfloat16)(w, x)
         >>> r.summary["low_precision_flop_share"]
         {'forward': 1.0, 'backward': 1.0}
         >>> print(str(r).splitlines()[0])
@@ -241,7 +254,9 @@ def report(
         casts: collections.Counter = collections.Counter()
         places = _cast_places(amp_jaxpr)
         for eqn in _measure.float_casts(amp_jaxpr):
-            casts[(eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, places[id(eqn)])] += 1
+            casts[
+                (eqn.invars[0].aval.dtype.name, eqn.outvars[0].aval.dtype.name, places[id(eqn)])
+            ] += 1
 
         every = [i for i in dynamic if is_inexact_dtype(leaves[i].dtype)]
         first = jax.tree_util.tree_structure(args[:1]).num_leaves if args else 0
@@ -251,18 +266,24 @@ def report(
         for floats in (every, [i for i in every if i < first]):
             values = [leaves[i] for i in floats]
             try:
-                both = jax.make_jaxpr(_pullback(_over_floats(amp_fn, leaves, in_tree, floats)))(*values)
+                both = jax.make_jaxpr(_pullback(_over_floats(amp_fn, leaves, in_tree, floats)))(
+                    *values
+                )
             except Exception as e:  # noqa: BLE001 - whatever keeps the backward pass from being read
                 message = str(e).splitlines()[0] if str(e) else ""
                 backward = f"not measured: {type(e).__name__}: {message}"
                 continue
             if floats != every:
-                backward = f"with respect to the first argument only ({backward[len('not measured: '):]})"
+                backward = (
+                    f"with respect to the first argument only ({backward[len('not measured: ') :]})"
+                )
             else:
                 backward = None
             break
         summary: dict[str, Any] = {
-            "low_precision_flop_share": _measure.flop_shares(amp_jaxpr, both, _measure.at_most_bits(16))
+            "low_precision_flop_share": _measure.flop_shares(
+                amp_jaxpr, both, _measure.at_most_bits(16)
+            )
         }
         fp8_share = _measure.flop_shares(amp_jaxpr, both, _measure.at_most_bits(8))
         if fp8_share["forward"] or amp_fn.fp8_recipe is not None:
@@ -271,7 +292,9 @@ def report(
         summary["residual_bytes"] = summary["residual_bytes_original"] = None
         if both is not None:
             for key, f in (("residual_bytes", amp_fn), ("residual_bytes_original", fn)):
-                summary[key] = _measure.residual_bytes(_over_floats(f, leaves, in_tree, floats), *values)
+                summary[key] = _measure.residual_bytes(
+                    _over_floats(f, leaves, in_tree, floats), *values
+                )
         if backward is not None:
             summary["backward"] = backward
 

@@ -60,6 +60,7 @@ def _shared_cache(fn: Any, settings: tuple) -> _TraceCache:
     except TypeError:  # fn or a setting cannot be hashed or weakly referenced: its own cache
         return _TraceCache()
 
+
 # While amp traces a function, an amp function called inside it is transparent: the
 # outermost amp's settings decide, as the outermost context does for torch.autocast.
 _tracing = threading.local()
@@ -131,8 +132,12 @@ class _Traced:
             arg_maps = [_compat.vmapped_by(x) for x in args]
             every = frozenset().union(*const_maps, *arg_maps)
             outs = eval_jaxpr(
-                self.jaxpr.jaxpr, consts, args, ctx,
-                arg_kinds=_unmapped(arg_maps, every), const_kinds=_unmapped(const_maps, every),
+                self.jaxpr.jaxpr,
+                consts,
+                args,
+                ctx,
+                arg_kinds=_unmapped(arg_maps, every),
+                const_kinds=_unmapped(const_maps, every),
             )
             return [_restore(x, a) for x, a in zip(outs, self.out_avals)]
 
@@ -148,7 +153,8 @@ class _Traced:
 
 def _unmapped(mapped_by: Sequence[frozenset], every: frozenset) -> list[int] | None:
     """Kinds for values when ``jax.vmap(amp(f))`` maps some inputs and not others, else None:
-    those not mapped by every vmap are UNMAPPED (see :mod:`autocast._src.transform.interpreter`), so both
+    those not mapped by every vmap are UNMAPPED (see
+    :mod:`autocast._src.transform.interpreter`), so both
     orders give a bias add the same dtype."""
     if not every:
         return None
@@ -176,7 +182,9 @@ class _Amp:
         self._fn = fn
         policy = default_amp_policy if amp_policy is None else _check_policy(amp_policy)
         try:
-            self.fp8_recipe = delayed or (None if compute_dtype is None else fp8.recipe_for(compute_dtype))
+            self.fp8_recipe = delayed or (
+                None if compute_dtype is None else fp8.recipe_for(compute_dtype)
+            )
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e}; accepted for float8 matrix products: {fp8.ACCEPTED}") from None
         # A float8 compute dtype is a recipe: scaled float8 matrix products, and
@@ -185,7 +193,9 @@ class _Amp:
             compute_dtype = fp8.CARRIER
             policy = fp8.with_fp8_products(policy, self.fp8_recipe)
         self._compute_dtype = (
-            None if compute_dtype is None else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
+            None
+            if compute_dtype is None
+            else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
         )
         self._policy = policy
         self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
@@ -224,7 +234,12 @@ class _Amp:
         dyn = set(dynamic)
         # keyed by type as well as value: 1, 1.0 and True are equal but trace differently
         statics = tuple(
-            (i, type(leaves[i]), leaves[i], repr(leaves[i]) if isinstance(leaves[i], float) else None)
+            (
+                i,
+                type(leaves[i]),
+                leaves[i],
+                repr(leaves[i]) if isinstance(leaves[i], float) else None,
+            )
             for i in range(len(leaves))
             if i not in dyn
         )
@@ -293,8 +308,12 @@ class _Amp:
             self._cache.static_floats.add(in_tree)
             return traced, [leaves[i] for i in arrays]
         # a traced float enters the program as jax.jit passes it: a weakly typed array
-        return traced, [_compat.convert(x, jax.dtypes.canonicalize_dtype(type(x)), weak_type=True) if i in floats
-                        else x for i, x in ((i, leaves[i]) for i in dynamic)]
+        return traced, [
+            _compat.convert(x, jax.dtypes.canonicalize_dtype(type(x)), weak_type=True)
+            if i in floats
+            else x
+            for i, x in ((i, leaves[i]) for i in dynamic)
+        ]
 
 
 def _check_output(fn: Any, out: Any) -> None:
@@ -436,7 +455,8 @@ def amp_stop(fn: Callable[..., Any] | None = None) -> Any:
         ...     with autocast.amp_stop():
         ...         y = x @ w
         ...     return precise(w, y) + x @ w
-        >>> jaxpr = jax.make_jaxpr(autocast.amp(f, compute_dtype=jnp.bfloat16))(jnp.ones((2, 2)), jnp.ones((2, 2)))
+        >>> g = autocast.amp(f, compute_dtype=jnp.bfloat16)
+        >>> jaxpr = jax.make_jaxpr(g)(jnp.ones((2, 2)), jnp.ones((2, 2)))
         >>> [e.outvars[0].aval.dtype.name for e in jaxpr.eqns if e.primitive.name == "dot_general"]
         ['float32', 'float32', 'bfloat16']
     """

@@ -1,4 +1,5 @@
-"""Custom derivative rules that close over traced values: made into explicit inputs while amp traces.
+"""Custom derivative rules that close over traced values: made into explicit inputs while amp
+traces.
 
 JAX traces a custom rule (a ``custom_vjp``'s forward and backward, a ``custom_jvp``'s JVP)
 only when the function is differentiated. ``amp`` traces ``fn`` once and evaluates the jaxpr
@@ -66,6 +67,7 @@ def _closure_error(kind: str, fun: Any) -> ValueError:
 
 # --- tracing a rule with its closed-over values swapped ------------------------------------------
 
+
 def _unwrap(x: Any) -> Any:
     return x.value if isinstance(x, CustomVJPPrimal) else x
 
@@ -90,7 +92,11 @@ def traced_call(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Calla
     def flat(*xs: Any) -> list[Any]:
         rebuilt = list(leaves)
         for i, x in zip(dynamic, xs):
-            rebuilt[i] = CustomVJPPrimal(x, leaves[i].perturbed) if isinstance(leaves[i], CustomVJPPrimal) else x
+            rebuilt[i] = (
+                CustomVJPPrimal(x, leaves[i].perturbed)
+                if isinstance(leaves[i], CustomVJPPrimal)
+                else x
+            )
         out = fn(*jax.tree_util.tree_unflatten(tree, rebuilt))
         out_leaves, store["tree"] = jax.tree_util.tree_flatten(out)
         store["static"] = [None if is_array(x) else x for x in out_leaves]
@@ -107,7 +113,9 @@ def traced_call(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Calla
     return closed, rebuild, values
 
 
-def _call_swapped(fn: Callable[..., Any], args: Sequence[Any], old: Sequence[Any], new: Sequence[Any]) -> Any:
+def _call_swapped(
+    fn: Callable[..., Any], args: Sequence[Any], old: Sequence[Any], new: Sequence[Any]
+) -> Any:
     """``fn(*args)``, with each closed-over traced value in ``old`` replaced by ``new``'s."""
     closed, rebuild, values = traced_call(fn, args)
     swap = {id(o): n for o, n in zip(old, new)}
@@ -127,9 +135,23 @@ def _closed_over(*closed_jaxprs: Any) -> list[Any]:
 
 # How deep the cheap look at a rule's closure goes before it gives up and traces the rule.
 _MAX_DEPTH = 8
-_OPAQUE = (bool, int, float, complex, str, bytes, type, types.ModuleType, np.ndarray, np.generic,
-           np.dtype, types.BuiltinFunctionType, types.CodeType, inspect.Signature,
-           jax.tree_util.PyTreeDef)
+_OPAQUE = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type,
+    types.ModuleType,
+    np.ndarray,
+    np.generic,
+    np.dtype,
+    types.BuiltinFunctionType,
+    types.CodeType,
+    inspect.Signature,
+    jax.tree_util.PyTreeDef,
+)
 
 
 def _may_hold_tracer(obj: Any, seen: set[int] | None = None, depth: int = 0) -> bool:
@@ -207,6 +229,7 @@ def _tangent_spec(x: Any) -> Any:
 
 # --- custom_vjp ----------------------------------------------------------------------------------
 
+
 def _vjp_closure(self: Any, args: tuple) -> list[Any]:
     """The traced values ``self``'s forward and backward rules close over, at ``args``.
 
@@ -229,8 +252,9 @@ def _vjp_closure_for(self: Any, args: tuple, perturbed: Callable[[Any], bool] | 
         if perturbed is None:
             return list(xs)
         return [
-            x if i in nondiff else
-            jax.tree_util.tree_map(lambda v: CustomVJPPrimal(v, perturbed(v)), x)
+            x
+            if i in nondiff
+            else jax.tree_util.tree_map(lambda v: CustomVJPPrimal(v, perturbed(v)), x)
             for i, x in enumerate(xs)
         ]
 
@@ -246,7 +270,7 @@ def _vjp_closure_for(self: Any, args: tuple, perturbed: Callable[[Any], bool] | 
         leaves = list(res_leaves)
         for i, x in zip(array_res, xs[: len(array_res)]):
             leaves[i] = x
-        ct = jax.tree_util.tree_unflatten(ct_tree, xs[len(array_res):])
+        ct = jax.tree_util.tree_unflatten(ct_tree, xs[len(array_res) :])
         return self.bwd(*statics, jax.tree_util.tree_unflatten(res_tree, leaves), ct)
 
     bwd_jaxpr = jax.make_jaxpr(bwd_flat)(*[res_leaves[i] for i in array_res], *ct_leaves)
@@ -311,6 +335,7 @@ def _rewrite_vjp(self: Any, original: Callable[..., Any], args: tuple, kwargs: d
 
 # --- custom_jvp ----------------------------------------------------------------------------------
 
+
 def _jvp_closure(self: Any, args: tuple) -> list[Any]:
     """The traced values ``self``'s JVP rule closes over, at ``args``."""
     nondiff = set(self.nondiff_argnums)
@@ -320,7 +345,9 @@ def _jvp_closure(self: Any, args: tuple) -> list[Any]:
         lambda x: np.zeros(np.shape(x), jax.dtypes.float0) if not is_inexact_dtype(x.dtype) else x,
         primals,
     )
-    closed, _, _ = traced_call(lambda p, t: self.jvp(*statics, tuple(p), tuple(t)), [primals, tangents])
+    closed, _, _ = traced_call(
+        lambda p, t: self.jvp(*statics, tuple(p), tuple(t)), [primals, tangents]
+    )
     return _closed_over(closed)
 
 

@@ -43,7 +43,9 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def tracing(compute_dtype: Any, keeps_precision: Callable[[tuple[str, ...]], bool]) -> Iterator[None]:
+def tracing(
+    compute_dtype: Any, keeps_precision: Callable[[tuple[str, ...]], bool]
+) -> Iterator[None]:
     """While amp traces: entry points cast to ``compute_dtype`` unless
     ``keeps_precision(scopes)`` says the named scopes active at the call keep their
     precision. Nested traces (an amp inside an amp) use the outermost's settings."""
@@ -74,7 +76,12 @@ def _number(x: Any) -> bool:
 
 
 def _narrowed(x: Any, dtype: np.dtype) -> Any:
-    if is_array(x) and castable(x, x.dtype) and np.dtype(x.dtype).itemsize > dtype.itemsize and not _number(x):
+    if (
+        is_array(x)
+        and castable(x, x.dtype)
+        and np.dtype(x.dtype).itemsize > dtype.itemsize
+        and not _number(x)
+    ):
         return cast_value(x, dtype)
     return x
 

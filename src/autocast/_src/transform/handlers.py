@@ -45,6 +45,7 @@ def _float0_zeros(aval: Any) -> np.ndarray:
 
 # --- calls --------------------------------------------------------------------------------------
 
+
 def _sole_casts(jaxpr: Any) -> dict[int, Any]:
     """Inputs of ``jaxpr`` whose only use is one cast to another floating dtype: position ->
     that dtype."""
@@ -60,7 +61,9 @@ def _sole_casts(jaxpr: Any) -> dict[int, Any]:
     for i, v in enumerate(jaxpr.invars):
         if len(uses[v]) == 1 and uses[v][0] is not None:
             eqn = uses[v][0]
-            if eqn.primitive.name == "convert_element_type" and castable(v.aval, eqn.params["new_dtype"]):
+            if eqn.primitive.name == "convert_element_type" and castable(
+                v.aval, eqn.params["new_dtype"]
+            ):
                 found[i] = eqn.params["new_dtype"]
     return found
 
@@ -83,8 +86,8 @@ def _jit(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence
 
 
 def _inline_call(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """``closed_call`` / ``core_call`` (``eval_jaxpr`` after JAX 0.11.0): a call with no parameters worth keeping, evaluated in
-    place (its equations keep the call's name stack)."""
+    """``closed_call`` / ``core_call`` (``eval_jaxpr`` after JAX 0.11.0): a call with no
+    parameters worth keeping, evaluated in place (its equations keep the call's name stack)."""
     jaxpr, consts = _compat.called_jaxpr(eqn)
     return eval_jaxpr(jaxpr, consts, invals, ctx.enter(eqn, in_place=True), kinds)
 
@@ -108,10 +111,13 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
     with_histories = _retrace_with_histories(ctx, inner, jaxpr, (), plan, tuple)
     traced, rows = with_histories or (retrace(jaxpr, (), ctx=inner, **plan), [])
     open_jaxpr, consts = _compat.open_jaxpr(traced)
-    return _compat.bind_equation(eqn, [*consts, *invals, *rows], {**eqn.params, "jaxpr": open_jaxpr})
+    return _compat.bind_equation(
+        eqn, [*consts, *invals, *rows], {**eqn.params, "jaxpr": open_jaxpr}
+    )
 
 
 # --- control flow -----------------------------------------------------------------------------
+
 
 def _carry_dtypes(
     body: Any,
@@ -199,7 +205,11 @@ def _scan(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
 
 
 def _retrace_with_histories(
-    ctx: Context, inner: Context, jaxpr: Any, consts: Sequence[Any], plan: dict[str, Any],
+    ctx: Context,
+    inner: Context,
+    jaxpr: Any,
+    consts: Sequence[Any],
+    plan: dict[str, Any],
     outer_shape: Callable[[tuple], tuple],
 ) -> tuple[Any, list] | None:
     """A body re-traced (``retrace(jaxpr, consts, **plan)`` under ``inner``) to take float8
@@ -241,7 +251,11 @@ def _scan_with_histories(
     if with_histories is None:
         return None
     traced, stacked = with_histories
-    consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
+    consts, carry, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
 
     def step(carry: list, sliced: tuple) -> tuple[list, list]:
         outs = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *consts, *carry, *sliced)
@@ -250,8 +264,12 @@ def _scan_with_histories(
     # lax.scan rather than the equation re-bound: the body takes inputs the equation's
     # parameters do not describe, and how those describe the inputs changes across JAX versions
     carry_out, ys = jax.lax.scan(
-        step, carry, (*xs, *stacked), length=length,
-        reverse=p.get("reverse", False), unroll=p.get("unroll", 1),
+        step,
+        carry,
+        (*xs, *stacked),
+        length=length,
+        reverse=p.get("reverse", False),
+        unroll=p.get("unroll", 1),
     )
     return [*carry_out, *ys]
 
@@ -264,15 +282,23 @@ def _while(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
     cond_consts = invals[:n_cond]
     n_carry = len(invals) - n_cond - n_body
     rest, plan = _loop_plan(
-        p["body_jaxpr"], invals[n_cond:], kinds[n_cond:], n_body, n_carry, inner,
+        p["body_jaxpr"],
+        invals[n_cond:],
+        kinds[n_cond:],
+        n_body,
+        n_carry,
+        inner,
         lambda i, x: spec_of(x),
     )
     body = retrace(p["body_jaxpr"].jaxpr, p["body_jaxpr"].consts, ctx=inner, **plan)
     carry = rest[n_body:]
     cond = retrace(
-        p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
+        p["cond_jaxpr"].jaxpr,
+        p["cond_jaxpr"].consts,
         [spec_of(x) for x in [*cond_consts, *carry]],
-        [*kinds[:n_cond], *[STRONG] * n_carry], inner, literals=literals_of(cond_consts),
+        [*kinds[:n_cond], *[STRONG] * n_carry],
+        inner,
+        literals=literals_of(cond_consts),
     )
     new_invals = [*cond_consts, *rest]
     return _compat.bind_equation(eqn, new_invals, {**p, "body_jaxpr": body, "cond_jaxpr": cond})
@@ -288,18 +314,25 @@ def _cond(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
 
     def trace(out_dtypes: Sequence[Any] | None) -> list[Any]:
         return [
-            retrace(b.jaxpr, b.consts, specs, kinds[1:], inner, literals=literals, out_dtypes=out_dtypes)
+            retrace(
+                b.jaxpr, b.consts, specs, kinds[1:], inner, literals=literals, out_dtypes=out_dtypes
+            )
             for b in eqn.params["branches"]
         ]
 
     branches = trace(None)
     per_output = list(zip(*[[a.dtype for a in b.out_avals] for b in branches]))
     if any(len(set(dts)) > 1 for dts in per_output):
-        branches = trace([jnp.result_type(*dts) if len(set(dts)) > 1 else None for dts in per_output])
-    return _compat.bind_equation(eqn, [index, *operands], {**eqn.params, "branches": tuple(branches)})
+        branches = trace(
+            [jnp.result_type(*dts) if len(set(dts)) > 1 else None for dts in per_output]
+        )
+    return _compat.bind_equation(
+        eqn, [index, *operands], {**eqn.params, "branches": tuple(branches)}
+    )
 
 
 # --- custom derivatives -------------------------------------------------------------------------
+
 
 def _once_per_equation(build: Callable[..., Any]) -> Callable[..., Any]:
     """``build(eqn, *key)`` computed once per equation and key (cached by identity in the
@@ -316,7 +349,9 @@ def _once_per_equation(build: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
-def _split(perturbed: Sequence[bool], values: Sequence[Any]) -> tuple[list, Callable[[Sequence[Any]], list]]:
+def _split(
+    perturbed: Sequence[bool], values: Sequence[Any]
+) -> tuple[list, Callable[[Sequence[Any]], list]]:
     """The perturbed ``values``, and how to put them back among the others."""
     moving = [x for x, p in zip(values, perturbed) if p]
 
@@ -341,7 +376,8 @@ def _custom_jvp_rule_jaxpr(eqn: Any, perturbed: tuple[bool, ...]) -> Any:
         moving, merge = _split(perturbed, primals)
         outs, out_tangents = jax.jvp(
             lambda *p: _as_list(eqn, _compat.bind_equation(eqn, merge(p), eqn.params)),
-            tuple(moving), tuple(args[len(in_avals):]),
+            tuple(moving),
+            tuple(args[len(in_avals) :]),
         )
         return list(outs) + [t for t, d in zip(out_tangents, out_diff) if d]
 
@@ -423,7 +459,9 @@ def _custom_vjp_bwd_jaxpr(eqn: Any, perturbed: tuple[bool, ...], zero_cts: tuple
         cts = [_compat.zero_cotangent(a) if z else next(it) for a, z in zip(out_avals, zero_cts)]
         return list(jax.tree_util.tree_unflatten(tree, residuals)(cts))
 
-    ct_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, z in zip(out_avals, zero_cts) if not z]
+    ct_specs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a, z in zip(out_avals, zero_cts) if not z
+    ]
     return jax.make_jaxpr(bwd)(res_shapes, ct_specs)
 
 
@@ -464,9 +502,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
         bwd_jaxpr = _custom_vjp_bwd_jaxpr(eqn, perturbed, zero_cts)
         given = [c for c, z in zip(cotangents, zero_cts) if not z]
         cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *given], inner))
-        return tuple(
-            cast_value(next(cts), x.dtype) if p else None for x, p in zip(args, perturbed)
-        )
+        return tuple(cast_value(next(cts), x.dtype) if p else None for x, p in zip(args, perturbed))
 
     fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
     return fn(*args)
@@ -482,7 +518,7 @@ def _custom_lin(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     bwd = p["bwd"]
     inner = ctx.enter(eqn)
     in_zeros = p.get("in_zeros")
-    tangent_dtypes = iter([x.dtype for x in invals[p["num_res"]:]])
+    tangent_dtypes = iter([x.dtype for x in invals[p["num_res"] :]])
     targets = [
         None if in_zeros is not None and zero else next(tangent_dtypes, None)
         for zero in (in_zeros if in_zeros is not None else [False] * (len(invals) - p["num_res"]))
@@ -505,6 +541,7 @@ def _custom_lin(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
 
 # --- mapped and sharded -----------------------------------------------------------------------
 
+
 def _remapped(
     eqn: Any, invals: list, kinds: Sequence[int], ctx: Context, body: Any, mapper: Callable
 ) -> list[Any]:
@@ -522,30 +559,44 @@ def _shard_map(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Se
     """``shard_map`` (and ``pmap`` from JAX 0.7 on, which is built on it): the per-shard body
     under the policy, with mesh, specs, manual axes and replication checks as they were."""
     p = eqn.params
-    return _remapped(eqn, invals, kinds, ctx, p["jaxpr"], lambda f: jax.shard_map(
-        f,
-        mesh=p["mesh"],
-        in_specs=tuple(p["in_specs"]),
-        out_specs=tuple(p["out_specs"]),
-        axis_names=_compat.shard_map_manual_axes(p),
-        check_vma=p["check_vma"],
-    ))
+    return _remapped(
+        eqn,
+        invals,
+        kinds,
+        ctx,
+        p["jaxpr"],
+        lambda f: jax.shard_map(
+            f,
+            mesh=p["mesh"],
+            in_specs=tuple(p["in_specs"]),
+            out_specs=tuple(p["out_specs"]),
+            axis_names=_compat.shard_map_manual_axes(p),
+            check_vma=p["check_vma"],
+        ),
+    )
 
 
 def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.pmap`` before JAX 0.7 (``xla_pmap``): the per-device body under the policy, with
     the same axis, mapping, devices and donation."""
     p = eqn.params
-    return _remapped(eqn, invals, kinds, ctx, p["call_jaxpr"], lambda f: jax.pmap(
-        f,
-        axis_name=p["axis_name"],
-        in_axes=tuple(p["in_axes"]),
-        out_axes=tuple(p["out_axes"]),
-        devices=p["devices"],
-        backend=p["backend"],
-        axis_size=p["axis_size"],
-        donate_argnums=tuple(i for i, d in enumerate(p["donated_invars"]) if d),
-    ))
+    return _remapped(
+        eqn,
+        invals,
+        kinds,
+        ctx,
+        p["call_jaxpr"],
+        lambda f: jax.pmap(
+            f,
+            axis_name=p["axis_name"],
+            in_axes=tuple(p["in_axes"]),
+            out_axes=tuple(p["out_axes"]),
+            devices=p["devices"],
+            backend=p["backend"],
+            axis_size=p["axis_size"],
+            donate_argnums=tuple(i for i, d in enumerate(p["donated_invars"]) if d),
+        ),
+    )
 
 
 def _bind_in_original_precision(
@@ -582,7 +633,11 @@ def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequ
         if _compat.holds_constants(value):
             specs = list(value.in_avals)
             return retrace(
-                value.jaxpr, value.consts, specs, [STRONG] * len(specs), inner,
+                value.jaxpr,
+                value.consts,
+                specs,
+                [STRONG] * len(specs),
+                inner,
                 out_dtypes=[a.dtype for a in value.out_avals],
             )
         if isinstance(value, _compat.Jaxpr):  # open: its constants cannot be re-typed in place
@@ -595,26 +650,30 @@ def _foreign(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequ
     return _compat.bind_equation(eqn, _recorded_dtypes(eqn.invars, invals), params)
 
 
-interpreter.HANDLERS.update({
-    **{name: _jit for name in _compat.JIT_NAMES},
-    "closed_call": _inline_call,
-    "core_call": _inline_call,
-    "eval_jaxpr": _inline_call,
-    "remat2": _remat,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-    "custom_jvp_call": _custom_jvp,
-    "custom_vjp_call": _custom_vjp,
-    "custom_lin": _custom_lin,
-    "shard_map": _shard_map,
-    "xla_pmap": _pmap,
-    "custom_linear_solve": _bind_in_original_precision,  # jnp.linalg.solve / inv, expm, cg
-    "linear_solve": _bind_in_original_precision,  # lineax (optimistix's Newton steps too)
-    "reduce": _bind_in_original_precision,  # lax.reduce with a computation of its own
-    "reduce_window": _bind_in_original_precision,  # lax.reduce_window likewise
-})
-interpreter.ROLES.update({
-    "original precision": _bind_in_original_precision,
-    "foreign": _foreign,
-})
+interpreter.HANDLERS.update(
+    {
+        **{name: _jit for name in _compat.JIT_NAMES},
+        "closed_call": _inline_call,
+        "core_call": _inline_call,
+        "eval_jaxpr": _inline_call,
+        "remat2": _remat,
+        "scan": _scan,
+        "while": _while,
+        "cond": _cond,
+        "custom_jvp_call": _custom_jvp,
+        "custom_vjp_call": _custom_vjp,
+        "custom_lin": _custom_lin,
+        "shard_map": _shard_map,
+        "xla_pmap": _pmap,
+        "custom_linear_solve": _bind_in_original_precision,  # jnp.linalg.solve / inv, expm, cg
+        "linear_solve": _bind_in_original_precision,  # lineax (optimistix's Newton steps too)
+        "reduce": _bind_in_original_precision,  # lax.reduce with a computation of its own
+        "reduce_window": _bind_in_original_precision,  # lax.reduce_window likewise
+    }
+)
+interpreter.ROLES.update(
+    {
+        "original precision": _bind_in_original_precision,
+        "foreign": _foreign,
+    }
+)

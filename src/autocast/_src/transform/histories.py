@@ -81,7 +81,9 @@ class Slots:
                 f"amp_fp8_delayed: history {i} has shape {tuple(np.shape(history))}, expected "
                 f"{shape}; make the Fp8History with this function's init"
             )
-        return Taken(history, inbox, (True, True, True) if self.measured is None else self.measured[i])
+        return Taken(
+            history, inbox, (True, True, True) if self.measured is None else self.measured[i]
+        )
 
     def check_all_taken(self) -> None:
         if self.rows is not None and self.taken != len(self.rows):

@@ -73,11 +73,27 @@ ADAPTABLE = (WEAK, SPREAD)
 
 # Primitives that only move data: an input cut out by them is still an input. Of these,
 # broadcasting and looking rows up make it SPREAD: applied across something larger.
-_MOVEMENT = frozenset({
-    "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "gather",
-    "convert_element_type", "copy", "copy_p", "rev", "concatenate", "split", "broadcast_in_dim",
-    "stack", "unstack", "tile",
-})
+_MOVEMENT = frozenset(
+    {
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "rev",
+        "concatenate",
+        "split",
+        "broadcast_in_dim",
+        "stack",
+        "unstack",
+        "tile",
+    }
+)
 _BROADCAST = "broadcast_in_dim"
 _SPREAD = frozenset({_BROADCAST, "gather"})
 
@@ -146,7 +162,9 @@ class Context:
             ctx = dataclasses.replace(ctx, fp8_history=None)
         if self.observer is not None:
             return dataclasses.replace(
-                ctx, scopes=self.scopes + inner, path=self.path + names,
+                ctx,
+                scopes=self.scopes + inner,
+                path=self.path + names,
                 callers=self.callers + (eqn.source_info,),
             )
         return dataclasses.replace(ctx, scopes=self.scopes + inner) if inner else ctx
@@ -299,10 +317,14 @@ class _Uses:
             passes = eqn.primitive.name in _SUM_PASSES and eqn.outvars[0].aval.dtype == np.float32
             return passes and passes_on(eqn)
 
-        summed = _every_reader(self._jaxpr.eqns, outputs, sums)  # var -> whether every reader sums it
+        summed = _every_reader(
+            self._jaxpr.eqns, outputs, sums
+        )  # var -> whether every reader sums it
         found = set()
         for eqn in self._jaxpr.eqns:
-            if eqn.primitive.name != "mul" or any(isinstance(v, _compat.Literal) for v in eqn.invars):
+            if eqn.primitive.name != "mul" or any(
+                isinstance(v, _compat.Literal) for v in eqn.invars
+            ):
                 continue
             out = eqn.outvars[0]
             if all(v.aval.shape == out.aval.shape for v in eqn.invars) and out not in outputs:
@@ -319,7 +341,9 @@ class _Uses:
         source: dict[Any, Any] = {}
         computed: set = set()
         for eqn in self._jaxpr.eqns:
-            if eqn.primitive.name in _STATISTIC_MOVES and not isinstance(eqn.invars[0], _compat.Literal):
+            if eqn.primitive.name in _STATISTIC_MOVES and not isinstance(
+                eqn.invars[0], _compat.Literal
+            ):
                 source[eqn.outvars[0]] = source.get(eqn.invars[0], eqn.invars[0])
             computed.update(eqn.outvars)
         found = set()
@@ -359,7 +383,9 @@ class _Uses:
 # Movements through which a product reaches the sum that consumes it.
 _SUM_PASSES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose"})
 # Movements through which a statistic reaches the activation it scales.
-_STATISTIC_MOVES = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "convert_element_type"})
+_STATISTIC_MOVES = frozenset(
+    {"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "convert_element_type"}
+)
 
 
 def adapt_weak(invals: list[Any], kinds: Sequence[int], original: Sequence[Any]) -> list[Any]:
@@ -405,10 +431,28 @@ def _checked_rule_output(rule: PrecisionFn, eqn: Any, result: Any, n_in: int) ->
 
 # Elementwise primitives that broadcast a size-1 axis of an operand by themselves: Flax's
 # Dense adds its bias as ``y + bias.reshape(1, n)``, with no broadcast_in_dim in the jaxpr.
-_IMPLICIT_BROADCAST = frozenset({
-    "add", "sub", "mul", "div", "max", "min", "rem", "pow", "atan2", "select_n", "clamp",
-    "eq", "ne", "lt", "le", "gt", "ge", "add_any",
-})
+_IMPLICIT_BROADCAST = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "max",
+        "min",
+        "rem",
+        "pow",
+        "atan2",
+        "select_n",
+        "clamp",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "add_any",
+    }
+)
 
 
 def _implicitly_spread(eqn: Any, kinds: Sequence[int]) -> Sequence[int]:
@@ -418,7 +462,12 @@ def _implicitly_spread(eqn: Any, kinds: Sequence[int]) -> Sequence[int]:
     spread = list(kinds)
     for i, (k, v) in enumerate(zip(kinds, eqn.invars)):
         s = getattr(v.aval, "shape", shape)
-        if k == RAW and s != shape and len(s) == len(shape) and all(a in (1, b) for a, b in zip(s, shape)):
+        if (
+            k == RAW
+            and s != shape
+            and len(s) == len(shape)
+            and all(a in (1, b) for a, b in zip(s, shape))
+        ):
             spread[i] = SPREAD
     return spread
 
@@ -445,10 +494,18 @@ _WIDE_RULES = frozenset({use_full_precision, use_original_precision})
 # Collectives that move values without adding them: casting before or after them gives the
 # same numbers. (A psum is not one: summing 16-bit values rounds at each addition and can
 # overflow float16 where the float32 sum would not.)
-_EXACT_COLLECTIVES = frozenset({
-    "all_gather", "all_gather_invariant", "ppermute", "all_to_all", "pmax", "pmin", "pvary",
-    "pbroadcast",
-})
+_EXACT_COLLECTIVES = frozenset(
+    {
+        "all_gather",
+        "all_gather_invariant",
+        "ppermute",
+        "all_to_all",
+        "pmax",
+        "pmin",
+        "pvary",
+        "pbroadcast",
+    }
+)
 
 
 def _cast_ahead(
@@ -485,7 +542,8 @@ def apply_first_order(
     moved: Mapping[Any, tuple] | None = None,
 ) -> Any:
     """Decides, casts and binds one first-order equation (or gathers it into a wide region,
-    see :mod:`autocast._src.transform.regions`). ``uses`` says how later equations use its outputs; ``moved``
+    see :mod:`autocast._src.transform.regions`). ``uses`` says how later equations use its
+    outputs; ``moved``
     maps a variable holding a reshaped activation to ``(reshape equation, activation)``."""
     if eqn.primitive.name == "convert_element_type" and _restores_entry_output(eqn):
         # an entry point's result cast back for the trace's sake: it flows on as it came
@@ -501,16 +559,26 @@ def apply_first_order(
         wide_in = any(isinstance(x, regions.Wide) for x in invals)
         if gatherable or wide_in:
             data = [k in (STRONG, RAW) for k in kinds]
-            if eqn.primitive.name == "mul" and uses is not None and eqn.outvars[0] in uses.summed_products():
+            if (
+                eqn.primitive.name == "mul"
+                and uses is not None
+                and eqn.outvars[0] in uses.summed_products()
+            ):
                 # two activations multiplied for a sum are data whatever their kind (arrays
                 # made by jnp.full(shape, 20.) are weakly typed)
                 data = [not regions._is_constant(x) for x in invals]
             if gatherable:
                 nodes = [_as_region_input(x, ctx) for x in invals]
                 out = regions.gather(
-                    eqn, nodes, data, rule, ctx,
+                    eqn,
+                    nodes,
+                    data,
+                    rule,
+                    ctx,
                     feeds_wide=lambda: uses is not None and uses.feeds_float32(eqn.outvars[0]),
-                    starts=(lambda: [_unmoved(v, x, moved) for v, x in zip(eqn.invars, nodes)]) if moved else None,
+                    starts=(lambda: [_unmoved(v, x, moved) for v, x in zip(eqn.invars, nodes)])
+                    if moved
+                    else None,
                 )
                 if out is not None:
                     return out
@@ -533,7 +601,11 @@ def apply_first_order(
         return cast_value(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
     custom = CUSTOM_BINDINGS.get(rule)
-    outs = _compat.bind_equation(eqn, invars, params) if custom is None else custom(eqn, invars, params, ctx)
+    outs = (
+        _compat.bind_equation(eqn, invars, params)
+        if custom is None
+        else custom(eqn, invars, params, ctx)
+    )
     return ctx.observed(eqn, rule, invars, outs)
 
 
@@ -548,7 +620,9 @@ def _chains_on(ctx: Context) -> bool:
     return _regions_on(ctx) and ctx.recompute and ctx.observer is None
 
 
-def _link_dtype(eqn: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context, uses: _Uses) -> Any:
+def _link_dtype(
+    eqn: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context, uses: _Uses
+) -> Any:
     """The 16-bit dtype ``eqn`` would compute in, where it may be a link of a recomputed
     chain (:mod:`autocast._src.transform.recompute`); None where it runs as usual.
 
@@ -721,7 +795,9 @@ def _inlined(eqn: Any, ctx: Context) -> bool:
     a layer norm's ``jnp.var``, an embedding's ``jnp.take`` or a ``jax.nn`` activation then
     joins the wide regions and value kinds around it, as if it had not been jitted (XLA
     inlines such calls anyway)."""
-    return eqn.primitive.name in _compat.JIT_NAMES and _regions_on(ctx) and _compat.is_plain_jit(eqn)
+    return (
+        eqn.primitive.name in _compat.JIT_NAMES and _regions_on(ctx) and _compat.is_plain_jit(eqn)
+    )
 
 
 def _eval_jaxpr(
@@ -789,10 +865,14 @@ def _eval_jaxpr(
         if chains and any(isinstance(x, recompute.Link) for x in invals):
             if handler is None and _product_of_links(eqn, invals, ctx):
                 # a region's value enters the product as apply_first_order would settle it
-                stream32, _ = regions.float32_inputs(eqn, invals, [k in (STRONG, RAW) for k in kinds])
+                stream32, _ = regions.float32_inputs(
+                    eqn, invals, [k in (STRONG, RAW) for k in kinds]
+                )
                 invals = [regions.settle(x, np.float32 if stream32 else None) for x in invals]
                 with _compat.equation_context(eqn):
-                    out = recompute.into_product(eqn, invals, lambda xs, e=eqn, k=kinds: bind(e, xs, k))
+                    out = recompute.into_product(
+                        eqn, invals, lambda xs, e=eqn, k=kinds: bind(e, xs, k)
+                    )
                 env[eqn.outvars[0]], kind_of[eqn.outvars[0]] = out, kind
                 continue
             invals = [recompute.settle(x) for x in invals]
@@ -811,6 +891,9 @@ def _eval_jaxpr(
             env[var] = value
             kind_of[var] = kind
 
-    outs = [_compat.literal_value(v) if isinstance(v, _compat.Literal) else env[v] for v in jaxpr.outvars]
+    outs = [
+        _compat.literal_value(v) if isinstance(v, _compat.Literal) else env[v]
+        for v in jaxpr.outvars
+    ]
     out_kinds = [WEAK if isinstance(v, _compat.Literal) else kind_of[v] for v in jaxpr.outvars]
     return outs, out_kinds

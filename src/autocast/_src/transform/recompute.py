@@ -37,10 +37,24 @@ from autocast._src.policy.casting import cast_memo
 # Elementwise primitives a chain may hold (each computed in the dtype of the activation it
 # meets), and the data movement it may carry on through (a reshape of an attention output
 # on its way into the output projection).
-ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "select_n", "clamp", "tanh",
-    "logistic", "integer_pow", "one_minus_square",
-})
+ELEMENTWISE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "abs",
+        "select_n",
+        "clamp",
+        "tanh",
+        "logistic",
+        "integer_pow",
+        "one_minus_square",
+    }
+)
 MOVEMENT = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 LINKS = ELEMENTWISE | MOVEMENT
 
@@ -68,7 +82,9 @@ class Link:
 
     __slots__ = ("eqn", "args", "kinds", "dtype", "shape", "bind", "_plain", "_alone")
 
-    def __init__(self, eqn: Any, args: Sequence[Any], kinds: Sequence[int], dtype: Any, bind: Callable) -> None:
+    def __init__(
+        self, eqn: Any, args: Sequence[Any], kinds: Sequence[int], dtype: Any, bind: Callable
+    ) -> None:
         self.eqn = eqn
         self.args = tuple(args)
         self.kinds = tuple(kinds)
@@ -150,7 +166,11 @@ def _kept_as_written(order: Sequence[Link]) -> int:
             data = [a for a in node.args if not _is_constant(a) and not _is_deferred(a)]
             if name in ("mul", "div") and len(data) < 2 and len(node.args) == 2:
                 # a product with a scale or a constant reads only the scale (small)
-                data = [a for a in data if tuple(np.shape(a) if not isinstance(a, Link) else a.shape) != node.shape]
+                data = [
+                    a
+                    for a in data
+                    if tuple(np.shape(a) if not isinstance(a, Link) else a.shape) != node.shape
+                ]
             for a in data:
                 kept[id(a)] = _nbytes(a)
     return sum(kept.values())
@@ -169,7 +189,9 @@ def _worth_it(order: Sequence[Link], leaves: Sequence[Any], read_by_consumer: in
     return kept < written
 
 
-def _checkpointed(order: Sequence[Link], leaves: Sequence[Any], finish: Callable[[Callable], Any]) -> Any:
+def _checkpointed(
+    order: Sequence[Link], leaves: Sequence[Any], finish: Callable[[Callable], Any]
+) -> Any:
     """``finish(value_of)`` traced inside a checkpoint that recomputes the chain ``order``
     from ``leaves``; ``value_of(x)`` is the value of a link or other input there."""
     position = {id(x): i for i, x in enumerate(leaves)}
@@ -188,7 +210,9 @@ def _checkpointed(order: Sequence[Link], leaves: Sequence[Any], finish: Callable
 
             for node in order:
                 with _compat.equation_context(node.eqn):
-                    done[id(node)] = _checked(node, node.bind(node.eqn, [value_of(a) for a in node.args], node.kinds))
+                    done[id(node)] = _checked(
+                        node, node.bind(node.eqn, [value_of(a) for a in node.args], node.kinds)
+                    )
             return finish(value_of)
 
     return jax.checkpoint(region, prevent_cse=False, policy=recompute_all)(*leaves)
@@ -241,7 +265,9 @@ def into_product(eqn: Any, invals: Sequence[Any], bind: Callable[[Sequence[Any]]
     else with its chains settled."""
     roots = [x for x in invals if isinstance(x, Link)]
     order, leaves = _walk(roots)
-    if any(r._plain is not None for r in roots) or not _worth_it(order, leaves, sum(r.nbytes for r in roots)):
+    if any(r._plain is not None for r in roots) or not _worth_it(
+        order, leaves, sum(r.nbytes for r in roots)
+    ):
         return bind([settle(x) for x in invals])
     known = {id(x) for x in leaves}
     for x in invals:

@@ -47,24 +47,66 @@ from autocast._src.policy.precision import (
 _F32 = np.dtype(np.float32)
 
 # Elementwise primitives a region may hold.
-ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "select_n", "clamp",
-    "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erfc", "sqrt", "rsqrt",
-    "cbrt", "square", "integer_pow", "pow", "sin", "cos",
-})
+ELEMENTWISE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "abs",
+        "sign",
+        "select_n",
+        "clamp",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "tanh",
+        "logistic",
+        "erf",
+        "erfc",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "square",
+        "integer_pow",
+        "pow",
+        "sin",
+        "cos",
+    }
+)
 # Data movement a region may carry on through once it has started (never starts one).
-MOVEMENT = frozenset({
-    "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type",
-    "slice", "dynamic_slice", "gather", "stop_gradient",
-})
+MOVEMENT = frozenset(
+    {
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "convert_element_type",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "stop_gradient",
+    }
+)
 # Reductions of an activation start or join a region; their results are statistics.
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 # The default policy's rules a region may stand in for; a policy that names another rule
 # for an equation (amp_stop, a user's own) is followed as it is.
-CHAINABLE = frozenset({
-    use_input_precision, use_widest_precision, use_full_precision, use_precision_by_exponent,
-    use_input_precision_for_casts,
-})
+CHAINABLE = frozenset(
+    {
+        use_input_precision,
+        use_widest_precision,
+        use_full_precision,
+        use_precision_by_exponent,
+        use_input_precision_for_casts,
+    }
+)
 # Rules under which an equation would compute in float32 on a 16-bit activation.
 WIDENING = frozenset({use_full_precision})
 # Results that may exceed float16's range (65504) or come near zero's reciprocal.
@@ -80,7 +122,18 @@ class Wide:
     for a broadcast of a parameter or constant replayed inside a region (see :func:`replay`).
     """
 
-    __slots__ = ("eqn", "args", "rule", "stream", "unsafe", "full", "ctx", "dtype", "shape", "_made")
+    __slots__ = (
+        "eqn",
+        "args",
+        "rule",
+        "stream",
+        "unsafe",
+        "full",
+        "ctx",
+        "dtype",
+        "shape",
+        "_made",
+    )
 
     def __init__(self, eqn: Any, args: Sequence[Any], rule: Any, stream: Any, ctx: Any) -> None:
         self.eqn = eqn
@@ -189,7 +242,8 @@ def _inputs(root: Wide) -> tuple[list[Any], dict[int, Any]]:
     moves: list[Moved] = []
     _leaves(root, found, moves, set())
     resolved = {
-        id(m): replay(m.eqn, m.source, root.ctx) if id(m.source) in found else m.value for m in moves
+        id(m): replay(m.eqn, m.source, root.ctx) if id(m.source) in found else m.value
+        for m in moves
     }
     for m in moves:
         if id(m.source) not in found:
@@ -233,7 +287,9 @@ def _only_summed(root: Wide, resolved: dict[int, Any]) -> bool:
         name = node.eqn.primitive.name
         if name in _SUMMED:
             return True
-        return name in _PASSED and node is not root and all(summed(u) for u in users.get(id(node), ()))
+        return (
+            name in _PASSED and node is not root and all(summed(u) for u in users.get(id(node), ()))
+        )
 
     size = math.prod(root.shape)
     for node in nodes.values():
@@ -309,13 +365,20 @@ def _equation_key(eqn: Any) -> tuple:
     a reused region reports the blocks it stands for, not the first one's."""
     info = eqn.source_info
     return (
-        eqn.primitive, tuple(sorted(eqn.params.items())), str(info.name_stack), info.traceback,
+        eqn.primitive,
+        tuple(sorted(eqn.params.items())),
+        str(info.name_stack),
+        info.traceback,
         getattr(eqn, "ctx", None),
     )
 
 
 def _structure(
-    root: Wide, position: dict[int, int], resolved: dict[int, Any], leaves: Sequence[Any], dtype: np.dtype
+    root: Wide,
+    position: dict[int, int],
+    resolved: dict[int, Any],
+    leaves: Sequence[Any],
+    dtype: np.dtype,
 ) -> Any:
     """A hashable description of the region ``root`` heads: its equations, how they connect,
     their constants, the inputs' types and the stored dtype. None where something in it
@@ -333,7 +396,9 @@ def _structure(
             if isinstance(arg, Wide):
                 refs.append(("n", visit(arg)))
             elif _is_constant(arg):
-                refs.append(("c", np.asarray(arg).dtype.str, np.shape(arg), np.asarray(arg).tobytes()))
+                refs.append(
+                    ("c", np.asarray(arg).dtype.str, np.shape(arg), np.asarray(arg).tobytes())
+                )
             else:
                 refs.append(("l", position[id(arg)]))
         rows.append((*_equation_key(node.eqn), tuple(refs)))

@@ -122,7 +122,7 @@ def retrace(
     def interpret(*args: Any) -> list[Any]:
         run_ctx = ctx
         if n_rows:
-            args, flat = args[: len(args) - n_rows], args[len(args) - n_rows:]
+            args, flat = args[: len(args) - n_rows], args[len(args) - n_rows :]
             slots = Slots(list(zip(flat[::2], flat[1::2])), histories.measuring, histories.measured)
             run_ctx = dataclasses.replace(ctx, fp8_history=slots)
         args = [literals.get(i, a) for i, a in enumerate(args)]
@@ -150,6 +150,10 @@ def retrace(
 def retrace_closed(closed: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context) -> Any:
     """A closed sub-jaxpr called with exactly ``invals`` (``jit``, ``custom_jvp``)."""
     return retrace(
-        closed.jaxpr, closed.consts, [spec_of(x) for x in invals], kinds, ctx,
+        closed.jaxpr,
+        closed.consts,
+        [spec_of(x) for x in invals],
+        kinds,
+        ctx,
         literals=literals_of(invals),
     )
