@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 from conftest import require
@@ -203,4 +205,5 @@ def test_every_cast_is_placed_at_a_line_of_the_users_code():
     mean_line = first + next(i for i, text in enumerate(lines) if "jnp.mean" in text)
     assert r.casts and all(__file__ in c.where for c in r.casts), [c.where for c in r.casts]
     (widening,) = [c for c in r.casts if c.target == "float32"]
-    assert f"{__file__}:{mean_line}:" in widening.where  # not the library's own file
+    # not the library's own file; JAX 0.6.2 gives no column after the line ("file:186 (fn)")
+    assert re.match(rf"{re.escape(__file__)}:{mean_line}\b", widening.where), widening.where
