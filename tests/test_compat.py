@@ -4,7 +4,7 @@ open jaxprs, calls, and what a linearised custom_vjp's backward returns.
 Real programs of the installed JAX exercise the branch that version takes. The other
 versions' records, which cannot be made here, are built as their source writes them
 (JAX 0.11's ``ft_in`` flat tree; the ``(cotangents, logs)`` pair after 0.11.0), so both
-branches run in CI; the suite itself runs on JAX 0.11 on the GPU machine."""
+branches run on every JAX; ``make test-newest`` runs the suite on JAX 0.12 and 0.11."""
 
 from __future__ import annotations
 
