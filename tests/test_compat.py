@@ -13,10 +13,10 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import bind_closed_call, eqns_named
 from jax import lax
 
 from autocast import _compat
-from conftest import bind_closed_call, eqns_named
 
 
 def _scan_eqn(n_consts: int, n_carry: int, n_xs: int):
