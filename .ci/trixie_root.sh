@@ -92,13 +92,11 @@ unbind() {
 trap unbind EXIT
 bind() {  # bind SOURCE TARGET [rbind]: TARGET under the root; rbind for /dev (its shm, pts)
     mkdir -p "$root$2"
+    mount "--${3:-bind}" "$1" "$root$2"
+    bound+=("$root$2")  # from here on unmounted on exit, whatever happens next
     if [ "${3:-}" = rbind ]; then
-        mount --rbind "$1" "$root$2"
         mount --make-rslave "$root$2"  # unmounting inside must not reach the host's mounts
-    else
-        mount --bind "$1" "$root$2"
     fi
-    bound+=("$root$2")
 }
 bind /proc /proc
 bind /dev /dev rbind
