@@ -60,10 +60,14 @@ exec 9>"$cache/lock"
 flock 9
 [ -e "$ready" ] || build
 
-# pip inside must reach the registry as it does outside: the same name servers, the CA
-# bundle PIP_CERT (or pip's configuration) names, the index and proxies the host uses.
-rm -f "$root/etc/resolv.conf"  # a link there would be followed out of the root
-cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+# Names resolve as outside: the host's name servers, for pip, and its hosts file, for the
+# multi-process tests (gloo looks the machine's own name up). pip inside must reach the
+# registry as it does outside: the CA bundle PIP_CERT (or pip's configuration) names, the
+# index and proxies the host uses.
+for f in resolv.conf hosts; do
+    rm -f "$root/etc/$f"  # a link there would be followed out of the root
+    cp -L "/etc/$f" "$root/etc/$f"
+done
 host_pip() { python3 -m pip config get "$1" 2>/dev/null || true; }
 cert=${PIP_CERT:-$(host_pip global.cert)}
 env_in=(PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8)
