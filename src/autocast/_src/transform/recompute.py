@@ -33,28 +33,18 @@ import numpy as np
 
 from autocast import _compat
 from autocast._src.policy.casting import cast_memo
+from autocast._src.transform import regions
 
-# Elementwise primitives a chain may hold (each computed in the dtype of the activation it
-# meets), and the data movement it may carry on through (a reshape of an attention output
-# on its way into the output projection).
-ELEMENTWISE = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "max",
-        "min",
-        "abs",
-        "select_n",
-        "clamp",
-        "tanh",
-        "logistic",
-        "integer_pow",
-        "one_minus_square",
-    }
+# Elementwise primitives a chain may hold: those a wide region may hold, less the ones that
+# the default policy computes in float32 (exponentials, logarithms, roots, powers, squares,
+# trigonometry: they go into wide regions) and sign, and with one_minus_square (tanh's
+# derivative on JAX 0.11 and later). Also the data movement a chain may carry on through (a
+# reshape of an attention output on its way into the output projection).
+_NOT_IN_CHAINS = frozenset(
+    {"cbrt", "cos", "erf", "erfc", "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt"}
+    | {"sign", "sin", "sqrt", "square"}
 )
+ELEMENTWISE = (regions.ELEMENTWISE - _NOT_IN_CHAINS) | {"one_minus_square"}
 MOVEMENT = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 LINKS = ELEMENTWISE | MOVEMENT
 
