@@ -20,11 +20,15 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+# make gpu-plan: GPU programs compiled on this machine, no GPU needed (benchmarks/gpu_plan.py).
+# Its venv holds the JAX of .venv and the CUDA plugin of the same version (about 5.5 GB).
+GPU_PLAN_VENV := .venv-gpu-plan
+PLAN_ARGS ?=
 
 # What the scripts test-newest runs read, wherever they were given (command line or environment).
 export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
 
-.PHONY: test test-fast test-oldest test-newest newest-suite demo bench clean
+.PHONY: test test-fast test-oldest test-newest newest-suite demo bench gpu-plan clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,11 +51,22 @@ $(NEWEST_VENV)/.installed: pyproject.toml
 	$(NEWEST_VENV)/bin/python -m pip install --quiet jax==$(NEWEST_JAX) jaxlib==$(NEWEST_JAX) -e '.[test,demo]'
 	touch $@
 
+$(GPU_PLAN_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(GPU_PLAN_VENV)
+	$(GPU_PLAN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
+	$(GPU_PLAN_VENV)/bin/python -m pip install --quiet "jax==$$v" "jaxlib==$$v" \
+		"jax-cuda12-plugin[with-cuda]==$$v" flax -e '.[demo]'
+	touch $@
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m autocast demo $(DEMO_ARGS)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
+
+gpu-plan: $(GPU_PLAN_VENV)/.installed
+	$(GPU_PLAN_VENV)/bin/python benchmarks/gpu_plan.py $(PLAN_ARGS)
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
@@ -79,4 +94,4 @@ newest-suite: $(NEWEST_VENV)/.installed
 
 # Leaves the Debian root (.newest-root/) alone: it takes minutes to build and is reused.
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .venv-newest-* .hypothesis
+	rm -rf $(VENV) $(OLDEST_VENV) $(GPU_PLAN_VENV) .venv-newest-* .hypothesis

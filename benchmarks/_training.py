@@ -17,6 +17,37 @@ def first_history(loss: Callable[..., Any], params: Any, *batch: Any) -> Any:
     return loss.init(params, *batch) if isinstance(loss, autocast.DelayedFp8) else None
 
 
+def planned_history(loss: Callable[..., Any], params: Any, *batch: Any) -> Any:
+    """A float8 history for a delayed-scaling loss on abstract arguments (shapes and dtypes,
+    for compiling without running; ``init`` needs the values): every row measured, each
+    amax 1. None for any other loss."""
+    if not isinstance(loss, autocast.DelayedFp8):
+        return None
+    from autocast._src import fp8_history as fh
+
+    found: dict[str, Any] = {}
+
+    def probe(*args: Any) -> int:  # traced on the abstract arguments, as a step would be
+        ctx = loss._amp._context()
+        traced, dyn = loss._amp._traced_call(args, {}, ctx)
+        found["shapes"] = loss._shapes(traced, ctx, dyn)
+        found["program"] = loss._program(traced)
+        return 0
+
+    jax.eval_shape(probe, params, *batch)
+    shapes, program = found["shapes"], found["program"]
+    measured = tuple((True, True, True) for _ in shapes)
+    return fh.Fp8History(
+        tuple(jnp.ones(s, jnp.float32) for s in shapes),
+        tuple(jnp.zeros(fh.inbox_shape(s), jnp.float32) for s in shapes),
+        measured,
+        program,
+        jnp.float32(1.0),
+        tuple(jnp.ones(fh._rows_shape(f), jnp.float32) for f in measured),
+        jnp.asarray(fh._program_words(program)),
+    )
+
+
 def loss_and_grads(
     loss: Callable[..., Any], history: Any, params: Any, *batch: Any
 ) -> tuple[Any, Any, Any]:

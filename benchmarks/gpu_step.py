@@ -89,10 +89,14 @@ def runs(
 # ---- one run, in its own process -------------------------------------------------------------
 
 
-def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any, float]:
+def _gpt_step(
+    config: dict, variant: str, attention: str, abstract: bool = False, gpu: bool | None = None
+) -> tuple[Callable, Any, float]:
     """The jitted AdamW step ``((history, params), opt_state, i) -> (same, loss)`` (the
     history None but for ``amp fp8 delay``), the initial state, and the model FLOPs of one
-    step."""
+    step. ``abstract``: the state as shapes and dtypes only (``jax.eval_shape``), for
+    compiling without running; ``gpu``: compile for a GPU (cuDNN's attention) whatever the
+    default backend is."""
     import _training
     import gpu_models
     import jax
@@ -101,13 +105,15 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
 
     import autocast
 
+    gpu = jax.default_backend() == "gpu" if gpu is None else gpu
     if attention == "naive":
         kind = "naive"
     else:  # cuDNN's kernel takes 16-bit inputs; a float32 program gets JAX's own fused path
-        kind = "cudnn" if jax.default_backend() == "gpu" and variant != "float32" else "xla"
+        kind = "cudnn" if gpu and variant != "float32" else "xla"
     hand = jnp.bfloat16 if variant == "hand bf16" else None
     loss = functools.partial(gpu_models.gpt2_loss, heads=config["heads"], attention=kind, hand=hand)
-    params = gpu_models.init_gpt2(jax.random.key(0), **config)
+    init = functools.partial(gpu_models.init_gpt2, jax.random.key(0), **config)
+    params = jax.eval_shape(init) if abstract else init()
     optimizer = optax.adamw(3e-4, weight_decay=0.1)
     tokens = config["batch"] * config["seq"]
     n = gpu_models.gpt2_params_count(params)
@@ -121,7 +127,11 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
     elif variant.startswith("amp"):
         loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
     # the state is (float8 history or None, parameters)
-    history = _training.first_history(loss, params, gpu_models.gpt2_batch(jnp.asarray(0), **config))
+    batch = functools.partial(gpu_models.gpt2_batch, **config)
+    if abstract:
+        history = _training.planned_history(loss, params, jax.eval_shape(batch, jnp.asarray(0)))
+    else:
+        history = _training.first_history(loss, params, batch(jnp.asarray(0)))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(state: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
@@ -132,10 +142,15 @@ def _gpt_step(config: dict, variant: str, attention: str) -> tuple[Callable, Any
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (history, optax.apply_updates(params, updates)), opt_state, value
 
-    return step, ((history, params), optimizer.init(params)), float(flops)
+    opt_state = (jax.eval_shape if abstract else lambda f, x: f(x))(optimizer.init, params)
+    return step, ((history, params), opt_state), float(flops)
 
 
-def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
+def _resnet_step(
+    config: dict, variant: str, abstract: bool = False
+) -> tuple[Callable, Any, float | None]:
+    """As :func:`_gpt_step`, for ResNet-18 with SGD and momentum; the FLOPs are None when
+    ``abstract`` (they come from running XLA's cost analysis)."""
     import gpu_models
     import jax
     import jax.numpy as jnp
@@ -145,9 +160,11 @@ def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
 
     dtype = jnp.bfloat16 if variant == "flax bf16" else jnp.float32
     model = gpu_models.ResNet18(config["classes"], config["width"], dtype)
-    images, _ = jax.jit(functools.partial(gpu_models.image_batch, **config))(jnp.asarray(0))
+    batch = jax.jit(functools.partial(gpu_models.image_batch, **config))
+    images = (jax.eval_shape if abstract else lambda f, i: f(i))(batch, jnp.asarray(0))[0]
     # a jitted init on the "rbg" generator compiles in a third of the default's time
-    variables = jax.jit(model.init)(jax.random.key(0, impl="rbg"), images)
+    init = functools.partial(model.init, jax.random.key(0, impl="rbg"))
+    variables = jax.eval_shape(init, images) if abstract else jax.jit(init)(images)
     loss = gpu_models.resnet_loss(model)
     if variant.startswith("amp"):
         loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
@@ -163,6 +180,11 @@ def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
         params = optax.apply_updates(variables["params"], updates)
         return {"params": params, "batch_stats": stats}, opt_state, value
 
+    opt_state = (jax.eval_shape if abstract else lambda f, x: f(x))(
+        optimizer.init, variables["params"]
+    )
+    if abstract:
+        return step, (variables, opt_state), None
     # the unoptimised forward program's FLOPs: no compile needed for them
     forward = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])).lower(
         variables, images
@@ -171,7 +193,7 @@ def _resnet_step(config: dict, variant: str) -> tuple[Callable, Any, float]:
     if not cost:  # a GPU backend of JAX 0.11 has none before compiling
         cost = forward.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return step, (variables, optimizer.init(variables["params"])), 3.0 * float(cost["flops"])
+    return step, (variables, opt_state), 3.0 * float(cost["flops"])
 
 
 def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:

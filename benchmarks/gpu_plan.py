@@ -1,0 +1,429 @@
+"""Every GPU program of the benchmarks, planned on a machine without a GPU: the memory XLA
+plans for it, the buffers live at its peak, and the kernels it chose.
+
+JAX compiles for a GPU it does not have: with the CUDA plugin installed (``make gpu-plan``
+builds ``.venv-gpu-plan``, the JAX of ``.venv`` and its plugin), a topology made from a
+device description (``gpu_devices/*.txtpb``: an H100 and an H200, from public figures) gives
+compile-only devices, and ``jit(...).lower(...).compile()`` on arguments placed there runs
+XLA's whole GPU pipeline: fusion, the GEMM rewriters, cuDNN's attention and convolutions,
+scheduling and buffer assignment. Nothing runs, so a plan says nothing of time; autotuning is
+off (there is no device to time kernels on), so where XLA would choose between a Triton GEMM
+and cuBLAS by timing them, the plan shows its untuned choice (``--triton off`` shows
+cuBLAS's). The memory plan is XLA's own: on an H200 it came within 2.5% of the device's
+measured peaks.
+
+Rows (``--rows MODEL/VARIANT/ATTENTION;...``, default :data:`DEFAULT_ROWS`):
+
+- ``gpu_step.py``'s training steps (GPT-2 small and medium, the 24x2048 decoder, ResNet-18),
+  built exactly as it builds them, with cuDNN's attention for "fused";
+- ``MLP``: 512 -> 3 x 2048 (tanh GELU) -> 10 at batch 8192, unrolled, ``jit(grad(f))``;
+- ``linear``: one layer 8192 x 1024 -> 4096, forward and backward (``fp8_gemm.py``'s).
+
+Per row and device it prints the planned peak (arguments + outputs + temporaries - aliased,
+as ``compiled.memory_analysis()`` gives them) and the temporaries; the largest buffers live
+at the peak (XLA's live ranges) with the shape, what made each (a loop's stacked residual
+names what it stacks) and the user's line; the kernels by kind, with launches per step and
+the bytes they read and write; each GEMM's output type and, for float8, whether its scales
+are fused (a computed scale operand) or applied afterwards (a constant 1); and, where
+docs/benchmarks.md has a device figure for the row, planned / measured.
+
+``--tiny`` plans the CPU-sized models in seconds (the tests run it).
+
+Run: ``make gpu-plan`` or ``.venv-gpu-plan/bin/python benchmarks/gpu_plan.py [--tiny]
+[--rows ...] [--devices H100,H200] [--triton on,off] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import os
+
+# JAX starts on the CPU whatever plugins are installed: the GPU is only compiled for.
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import functools  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+import gpu_step  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import xla_program  # noqa: E402
+
+MiB = 2**20
+DEVICES = {"H100": "h100_sxm.txtpb", "H200": "h200_sxm.txtpb"}
+
+# Device peaks measured on one H200 (docs/benchmarks.md, "On a GPU"; JAX 0.11.2, the
+# library at commit 2e4a7d8, before recomputed chains): MiB, by row.
+MEASURED_ON = "H200"
+MEASURED_AT = "2e4a7d8"
+MEASURED = {
+    ("GPT-2 small", "hand bf16", "fused"): 10457,
+    ("GPT-2 small", "amp bf16", "fused"): 9015,
+    ("GPT-2 small", "amp fp8", "fused"): 7994,
+    ("GPT-2 small", "hand bf16", "naive"): 17325,
+    ("GPT-2 small", "amp bf16", "naive"): 13571,
+    ("GPT-2 medium", "hand bf16", "fused"): 23087,
+    ("GPT-2 medium", "amp bf16", "fused"): 19244,
+    ("GPT-2 medium", "amp fp8", "fused"): 17162,
+    ("GPT-2 medium", "amp fp8 delay", "fused"): 17162,
+    ("decoder 24x2048", "hand bf16", "fused"): 37580,
+    ("decoder 24x2048", "amp bf16", "fused"): 33940,
+    ("decoder 24x2048", "amp fp8", "fused"): 31424,
+    ("decoder 24x2048", "amp fp8 delay", "fused"): 31261,
+    ("ResNet-18", "flax bf16", "-"): 1667,
+    ("ResNet-18", "amp bf16", "-"): 1720,
+}
+# torch.compile's measured peaks on the same GPTs (same run), the memory targets' yardstick.
+TORCH_COMPILE = {"GPT-2 small": 7178, "GPT-2 medium": 14723}
+
+# The models besides gpu_step.py's, real size and tiny.
+MLP = {"MLP": dict(widths=(512, 2048, 2048, 2048, 10), batch=8192)}
+MLP_TINY = {"MLP": dict(widths=(32, 64, 64, 64, 10), batch=64)}
+LINEAR = {"linear": dict(tokens=8192, n_in=1024, n_out=4096)}
+LINEAR_TINY = {"linear": dict(tokens=64, n_in=32, n_out=48)}
+MLP_VARIANTS = ("float32", "amp bf16")
+LINEAR_VARIANTS = ("bf16", "fp8", "fp8 dq", "fp8 delay")
+
+DEFAULT_ROWS = (
+    *[
+        (m, v, "fused")
+        for m in ("GPT-2 small", "GPT-2 medium", "decoder 24x2048")
+        for v in ("hand bf16", "amp bf16", "amp fp8", "amp fp8 delay")
+    ],
+    ("GPT-2 small", "hand bf16", "naive"),
+    ("GPT-2 small", "amp bf16", "naive"),
+    *[("ResNet-18", v, "-") for v in ("flax bf16", "amp bf16", "amp fp8")],
+    *[("MLP", v, "-") for v in MLP_VARIANTS],
+    *[("linear", v, "-") for v in LINEAR_VARIANTS],
+)
+
+
+# ---- the devices -----------------------------------------------------------------------------
+
+
+def _versions() -> str:
+    """The cuDNN and CUDA runtime versions of the installed plugin, as target-config text."""
+    lines = []
+    for package, field in (
+        ("nvidia-cudnn-cu12", "dnn_version_info"),
+        ("nvidia-cuda-runtime-cu12", "runtime_version"),
+    ):
+        try:
+            major, minor, patch = (importlib.metadata.version(package).split(".") + ["0"] * 3)[:3]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        lines.append(f"{field} {{ major: {major} minor: {minor} patch: {patch} }}")
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def sharding(device: str) -> jax.sharding.NamedSharding:
+    """A replicated sharding on one compile-only ``device`` (a name of :data:`DEVICES`)."""
+    from jax.experimental import topologies
+
+    config = (HERE / "gpu_devices" / DEVICES[device]).read_text() + "\n" + _versions()
+    topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _placed(tree: Any, where: jax.sharding.NamedSharding) -> Any:
+    def place(x: Any) -> Any:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+        return x
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+# ---- the programs ----------------------------------------------------------------------------
+
+
+def _mlp(config: dict, variant: str) -> tuple[Callable, tuple]:
+    import autocast
+
+    widths, batch = config["widths"], config["batch"]
+
+    def loss(params: list, x: jax.Array, y: jax.Array) -> jax.Array:
+        for i, (w, b) in enumerate(params):
+            x = x @ w + b
+            if i < len(params) - 1:
+                x = jax.nn.gelu(x)
+        return jnp.mean((x - y) ** 2)
+
+    fn = autocast.amp(loss, compute_dtype=jnp.bfloat16) if variant == "amp bf16" else loss
+    params = [
+        (jax.ShapeDtypeStruct((a, b), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.float32))
+        for a, b in zip(widths[:-1], widths[1:])
+    ]
+    x = jax.ShapeDtypeStruct((batch, widths[0]), jnp.float32)
+    y = jax.ShapeDtypeStruct((batch, widths[-1]), jnp.float32)
+    return jax.jit(jax.grad(fn)), (params, x, y)
+
+
+def _linear(config: dict, variant: str) -> tuple[Callable, tuple]:
+    import _training
+
+    import autocast
+    from autocast._src import fp8
+
+    fp8._GEMM_FORM = "dequantised" if variant.endswith("dq") else "direct"
+    f = lambda x, w: x @ w  # noqa: E731
+    x = jax.ShapeDtypeStruct((config["tokens"], config["n_in"]), jnp.float32)
+    w = jax.ShapeDtypeStruct((config["n_in"], config["n_out"]), jnp.float32)
+    g = jnp.ones((config["tokens"], config["n_out"]), jnp.bfloat16)
+    if variant == "fp8 delay":
+        layer = autocast.amp_fp8_delayed(f, history=4)
+        history = _training.planned_history(layer, x, w)
+
+        def delayed(history: Any, x: jax.Array, w: jax.Array) -> Any:
+            out, pull = jax.vjp(layer, history, x, w)
+            return out, pull(g.astype(out.dtype))
+
+        return jax.jit(delayed), (history, x, w)
+    layer = autocast.amp(f, compute_dtype=jnp.bfloat16 if variant == "bf16" else "fp8")
+
+    def step(x: jax.Array, w: jax.Array) -> Any:
+        out, pull = jax.vjp(layer, x, w)
+        return out, pull(g.astype(out.dtype))
+
+    return jax.jit(step), (x, w)
+
+
+def program(model: str, variant: str, attention: str, tiny: bool) -> tuple[Callable, tuple]:
+    """The jitted function of one row and its abstract arguments."""
+    if model in MLP:
+        return _mlp((MLP_TINY if tiny else MLP)[model], variant)
+    if model in LINEAR:
+        return _linear((LINEAR_TINY if tiny else LINEAR)[model], variant)
+    config = (gpu_step.TINY if tiny else gpu_step.MODELS)[model]
+    if config["kind"] == "gpt":
+        step, state, _ = gpu_step._gpt_step(config, variant, attention, abstract=True, gpu=True)
+    else:
+        step, state, _ = gpu_step._resnet_step(config, variant, abstract=True)
+    return step, (*state, jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def known_rows() -> dict[str, tuple[str, ...]]:
+    """Model -> the variants a row may name."""
+    rows = {m: gpu_step.GPT_VARIANTS for m, c in gpu_step.MODELS.items() if c["kind"] == "gpt"}
+    rows["ResNet-18"] = gpu_step.RESNET_VARIANTS
+    rows.update({m: MLP_VARIANTS for m in MLP})
+    rows.update({m: LINEAR_VARIANTS for m in LINEAR})
+    return rows
+
+
+# ---- one plan --------------------------------------------------------------------------------
+
+
+def plan(
+    fn: Callable, args: tuple, device: str, triton: bool, buffers: int = 8, kernels: int = 8
+) -> dict:
+    """Compiles ``fn`` on ``args`` for ``device`` and reads what XLA planned."""
+    where = sharding(device)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = fn.lower(*_placed(args, where)).compile(
+            compiler_options={
+                "xla_gpu_autotune_level": 0,
+                "xla_gpu_enable_triton_gemm": triton,
+                "xla_dump_to": dump,
+            }
+        )
+        read = xla_program.read(dump)
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    peak = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+    launched = read.kernels()
+    by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for k in launched:
+        row = by_kind[k.kind]
+        row[0] += k.runs
+        row[1] += k.runs * k.reads
+        row[2] += k.runs * k.writes
+    gemms = collections.Counter(
+        (k.kind, k.detail, k.source) for k in launched for _ in range(k.runs) if k.detail
+    )
+    heaviest = sorted(launched, key=lambda k: -(k.reads + k.writes))[:kernels]
+    return {
+        "compile_s": seconds,
+        "peak_mib": peak / MiB,
+        "arguments_mib": memory.argument_size_in_bytes / MiB,
+        "outputs_mib": memory.output_size_in_bytes / MiB,
+        "temporaries_mib": memory.temp_size_in_bytes / MiB,
+        "aliased_mib": memory.alias_size_in_bytes / MiB,
+        "live_peak_mib": None if read.peak_bytes is None else read.peak_bytes / MiB,
+        "buffers": [
+            {"mib": b.nbytes / MiB, "shape": b.shape, "made_by": b.made_by, "source": b.source}
+            for b in read.peak_buffers[:buffers]
+        ],
+        "kernels": {
+            kind: {"launches": n, "read_mib": r / MiB, "written_mib": w / MiB}
+            for kind, (n, r, w) in sorted(by_kind.items(), key=lambda kv: -kv[1][1] - kv[1][2])
+        },
+        "gemms": [
+            {"kind": kind, "detail": detail, "source": source, "launches": n}
+            for (kind, detail, source), n in gemms.most_common()
+        ],
+        "heaviest": [
+            {
+                "kind": k.kind,
+                "name": k.name,
+                "runs": k.runs,
+                "read_mib": k.reads / MiB,
+                "written_mib": k.writes / MiB,
+                "source": k.source,
+            }
+            for k in heaviest
+        ],
+    }
+
+
+# ---- the table -------------------------------------------------------------------------------
+
+
+def _gemm_summary(p: dict) -> str:
+    """Launches per GEMM kind, float8 ones with their output type and scales."""
+    counts: collections.Counter = collections.Counter()
+    for g in p["gemms"]:
+        short = {
+            "float8 cuBLASLt GEMM": "f8 cuBLASLt",
+            "cuBLASLt GEMM": "cuBLASLt",
+            "cuBLAS GEMM": "cuBLAS",
+            "Triton GEMM fusion": "Triton",
+        }[g["kind"]]
+        types = g["detail"].split(",")[0]
+        if "f8" in types:
+            short += " " + types.replace(" ", "")
+        if g["kind"] == "float8 cuBLASLt GEMM":
+            short += f" scales {g['detail'].split('scales ')[-1]}"
+        counts[short] += g["launches"]
+    for kind in ("cuDNN attention", "cuDNN convolution", "cuDNN fusion"):
+        if kind in p["kernels"]:
+            counts[kind.replace("cuDNN ", "cuDNN ")] += p["kernels"][kind]["launches"]
+    return "; ".join(f"{n} {k}" for k, n in counts.most_common())
+
+
+def _print_details(label: str, p: dict, measured: float | None) -> None:
+    print(f"\n== {label}")
+    line = (
+        f"planned peak {p['peak_mib']:.0f} MiB (arguments {p['arguments_mib']:.0f}, outputs "
+        f"{p['outputs_mib']:.0f}, temporaries {p['temporaries_mib']:.0f}, aliased "
+        f"{p['aliased_mib']:.0f})"
+    )
+    if p["live_peak_mib"] is not None:
+        line += f"; live at the peak {p['live_peak_mib']:.0f}"
+    if measured:
+        line += f"; measured {measured:.0f} on an {MEASURED_ON} at {MEASURED_AT}"
+    print(line + f"; compiled in {p['compile_s']:.1f} s")
+    print("  largest buffers live at the peak:")
+    for b in p["buffers"]:
+        print(f"    {b['mib']:9.1f} MiB  {b['shape']:26} {b['made_by']:48.48} {b['source']}")
+    print("  kernels per step:  launches  read MiB  written MiB")
+    for kind, k in p["kernels"].items():
+        print(f"    {kind:30.30} {k['launches']:6d} {k['read_mib']:10.0f} {k['written_mib']:11.0f}")
+    if p["gemms"]:
+        print("  GEMMs (launches per step, output type, float8 scale operands, line):")
+        for g in p["gemms"]:
+            print(f"    {g['launches']:4d} x {g['kind']:22} {g['detail']:44.44} {g['source']}")
+    print("  heaviest kernels (one run; runs per step):")
+    for k in p["heaviest"]:
+        print(
+            f"    {k['kind']:26.26} {k['name']:34.34} x{k['runs']:<3d} read {k['read_mib']:8.1f}"
+            f" written {k['written_mib']:8.1f} MiB  {k['source']}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized models (the tests run it)")
+    parser.add_argument(
+        "--rows", default="", help="'MODEL/VARIANT/ATTENTION;...' (default: every default row)"
+    )
+    parser.add_argument("--devices", default="H100,H200", help=f"of {', '.join(DEVICES)}")
+    parser.add_argument(
+        "--triton",
+        default="",
+        help="Triton GEMM fusions 'on', 'off' or 'on,off' (default: on; both for the linear rows)",
+    )
+    parser.add_argument("--brief", action="store_true", help="the table only, no details")
+    parser.add_argument("--json", default=str(HERE / "gpu_plan.json"))
+    options = parser.parse_args(argv)
+    known = known_rows()
+    rows = DEFAULT_ROWS
+    if options.rows:
+        rows = []
+        for text in options.rows.split(";"):
+            parts = tuple(p.strip() for p in text.split("/"))
+            if len(parts) != 3 or parts[1] not in known.get(parts[0], ()):
+                parser.error(
+                    f"--rows: {text!r} is not MODEL/VARIANT/ATTENTION; models and variants: "
+                    + "; ".join(f"{m}: {', '.join(v)}" for m, v in known.items())
+                )
+            rows.append(parts)
+    devices = [d.strip() for d in options.devices.split(",") if d.strip()]
+    unknown = [d for d in devices if d not in DEVICES]
+    if unknown:
+        parser.error(f"--devices: unknown {', '.join(unknown)}; choose from {', '.join(DEVICES)}")
+    settings = [s.strip() for s in options.triton.split(",") if s.strip()]
+    if any(s not in ("on", "off") for s in settings):
+        parser.error("--triton takes 'on', 'off' or 'on,off'")
+    print(
+        f"jax {jax.__version__}, compiled for {', '.join(devices)} with no GPU (autotuning off)"
+        + (", tiny models" if options.tiny else "")
+    )
+    results: dict[str, Any] = {}
+    table = []
+    for model, variant, attention in rows:
+        fn, args = program(model, variant, attention, options.tiny)
+        tritons = settings or (["on", "off"] if model in LINEAR else ["on"])
+        for device in devices:
+            for triton in tritons:
+                label = f"{model} / {variant} / {attention} / {device} / Triton GEMM {triton}"
+                p = plan(fn, args, device, triton == "on")
+                measured = None
+                if not options.tiny and device == MEASURED_ON and triton == "on":
+                    measured = MEASURED.get((model, variant, attention))
+                p["measured_mib"] = measured
+                results[label] = p
+                if not options.brief:
+                    _print_details(label, p, measured)
+                table.append((model, variant, attention, device, triton, p, measured))
+                Path(options.json).write_text(json.dumps(results, indent=1))
+    print(
+        f"\n{'model':16} {'variant':14} {'attn':5} {'device':6} {'Triton':6} {'peak MiB':>9} "
+        f"{'temp MiB':>9} {'measured':>8} {'plan/meas':>9}  GEMMs and cuDNN calls per step"
+    )
+    for model, variant, attention, device, triton, p, measured in table:
+        ratio = f"{p['peak_mib'] / measured:.3f}" if measured else "-"
+        print(
+            f"{model:16} {variant:14} {attention:5} {device:6} {triton:6} {p['peak_mib']:9.0f} "
+            f"{p['temporaries_mib']:9.0f} {measured or '-':>8} {ratio:>9}  {_gemm_summary(p)}"
+        )
+    if not options.tiny:
+        print(
+            f"(measured: device peaks on an {MEASURED_ON} with JAX 0.11.2 at commit "
+            f"{MEASURED_AT}, docs/benchmarks.md; torch.compile's there: "
+            + ", ".join(f"{m} {v} MiB" for m, v in TORCH_COMPILE.items())
+            + ")"
+        )
+    return results
+
+
+if __name__ == "__main__":
+    main()

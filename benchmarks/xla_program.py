@@ -1,0 +1,540 @@
+"""Reading a program XLA compiled for a GPU: its kernels, the bytes each moves, and the
+buffers live at its memory peak.
+
+XLA writes what it decided into a dump folder (``xla_dump_to``): the optimised HLO module
+(``*after_optimizations.txt``: every instruction with its shape, the kernel it became and the
+Python line that made it) and the live ranges of its buffers (``*-live-range.txt``, with the
+list of buffers live at the peak). :func:`read` turns the two into a :class:`Program`.
+
+The kernels are the instructions that launch work on the device: fusions (XLA's own kernels,
+Triton's GEMM fusions, cuDNN fusions), custom calls (cuBLAS(Lt) GEMMs, float8 ones among
+them, cuDNN attention and convolutions) and the few unfused copies and collectives, in the
+entry computation and in the bodies of its loops and branches (a loop body's kernels count
+once per iteration where XLA knows the trip count). What a kernel reads is the sum of its
+operands, what it writes the sum of its results (a GEMM's scratch workspace left out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+# Bytes per element of HLO's element types.
+_ITEMSIZE = {
+    "pred": 1, "s2": 1, "s4": 1, "s8": 1, "u2": 1, "u4": 1, "u8": 1,
+    "f4e2m1fn": 1, "f8e3m4": 1, "f8e4m3": 1, "f8e4m3fn": 1, "f8e4m3b11fnuz": 1,
+    "f8e4m3fnuz": 1, "f8e5m2": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# Instructions that launch nothing: bookkeeping, control flow (its bodies are read instead),
+# and what XLA folds into the buffers around it.
+_NO_KERNEL = frozenset(
+    {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional"}
+    | {"call", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
+    | {"domain", "iota-no-kernel"}
+)
+# Custom-call targets by kernel kind (prefixes).
+_CUSTOM_CALLS = (
+    ("__cublas$lt$matmul$f8", "float8 cuBLASLt GEMM"),
+    ("__cublas$lt$matmul", "cuBLASLt GEMM"),
+    ("__cublas$gemm", "cuBLAS GEMM"),
+    ("__cudnn$fmha", "cuDNN attention"),
+    ("__cudnn$conv", "cuDNN convolution"),
+    ("__cudnn$norm", "cuDNN norm"),
+)
+# Fusion kinds XLA names in a fusion's backend config.
+_FUSION_KINDS = {
+    "__triton_gemm": "Triton GEMM fusion",
+    "__triton_nested_gemm_fusion": "Triton GEMM fusion",
+    "__triton_scaled_dot_fusion": "Triton GEMM fusion",
+    "__triton": "Triton fusion",
+    "__cudnn$fusion": "cuDNN fusion",
+    "__custom_fusion": "address-computation fusion",
+    "__dynamic_memcpy": "copy",
+}
+# Instructions that hand a value on unchanged (followed back to what made it).
+_PASSING = frozenset({"bitcast", "copy", "get-tuple-element"})
+GEMM_KINDS = ("float8 cuBLASLt GEMM", "cuBLASLt GEMM", "cuBLAS GEMM", "Triton GEMM fusion")
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = _ITEMSIZE.get(self.dtype, 4)
+        for d in self.dims:
+            n *= d
+        return n
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+def arrays(shape: str) -> list[Array]:
+    """The arrays of an HLO shape, a tuple's in order (``(f32[2], s8[64])`` gives two)."""
+    return [
+        Array(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d))
+        for m in _ARRAY.finditer(shape)
+        if m.group(1) in _ITEMSIZE
+    ]
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    arguments: str
+    attributes: str
+    computation: str
+
+    @property
+    def outputs(self) -> list[Array]:
+        return arrays(self.shape)
+
+    def attribute(self, key: str) -> str | None:
+        m = re.search(rf"\b{re.escape(key)}=(%?[\w.$\-]+|\"[^\"]*\")", self.attributes)
+        return None if m is None else m.group(1).strip('"').lstrip("%")
+
+    @property
+    def backend_config(self) -> dict:
+        at = self.attributes.find("backend_config=")
+        if at < 0:
+            return {}
+        text = self.attributes[at + len("backend_config=") :]
+        try:
+            return json.JSONDecoder().raw_decode(text)[0]
+        except ValueError:
+            return {}
+
+
+def _matching(text: str, start: int) -> int:
+    """The index just past the bracket that closes the one at ``start``."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    stack = []
+    quoted = False
+    for i in range(start, len(text)):
+        c = text[i]
+        if c == '"' and (i == 0 or text[i - 1] != "\\"):
+            quoted = not quoted
+        if quoted:
+            continue
+        if c in pairs:
+            stack.append(pairs[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+    return len(text)
+
+
+_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+
+
+def _instruction(line: str, computation: str) -> Instruction | None:
+    m = _HEAD.match(line)
+    if m is None:
+        return None
+    rest = line[m.end() :]
+    if rest.startswith("("):
+        end = _matching(rest, 0)
+    else:
+        end = rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    paren = rest.find("(")
+    if paren < 0:
+        return None
+    opcode = rest[:paren].strip()
+    close = _matching(rest, paren)
+    arguments = rest[paren + 1 : close - 1]
+    operands = re.findall(r"%([\w.\-]+)", arguments)
+    return Instruction(m.group(1), shape, opcode, operands, arguments, rest[close:], computation)
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One kernel launch site: its kind, the instruction, how many times one step runs it,
+    the bytes it reads and writes per run, and what it says of itself (a GEMM's output type
+    and scales)."""
+
+    kind: str
+    name: str
+    runs: int
+    reads: int
+    writes: int
+    detail: str
+    source: str
+
+
+@dataclasses.dataclass
+class Buffer:
+    """A buffer live at the memory peak: its size, shape, and what made it."""
+
+    name: str
+    nbytes: int
+    shape: str
+    made_by: str
+    source: str
+
+
+@dataclasses.dataclass
+class Program:
+    instructions: dict[str, Instruction]
+    computations: dict[str, list[Instruction]]
+    entry: str
+    locations: dict[int, list[tuple[str, int, str]]]
+    peak_buffers: list[Buffer]
+    peak_bytes: int | None
+
+    def kernels(self) -> list[Kernel]:
+        return list(_kernels(self))
+
+    def source(self, ins: Instruction) -> str:
+        frame = ins.attribute("stack_frame_id")
+        return _user_line(self.locations.get(int(frame), [])) if frame else ""
+
+
+def _user_line(stack: list[tuple[str, int, str]]) -> str:
+    """The innermost frame of ``stack`` (innermost first) in the user's code: not in an
+    installed package and not in autocast itself; the innermost of all where none is."""
+    for path, line, function in stack:
+        if "site-packages" not in path and "/autocast/" not in path:
+            return f"{Path(path).name}:{line} ({function})"
+    if stack:
+        path, line, function = stack[0]
+        return f"{Path(path).name}:{line} ({function})"
+    return ""
+
+
+def _frames(text: str) -> dict[int, list[tuple[str, int, str]]]:
+    """Stack frame id -> its stack, innermost first, from the module's FileNames,
+    FunctionNames, FileLocations and StackFrames tables."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+            continue
+        if current is None:
+            continue
+        m = re.match(r"^(\d+)\s+(.*)$", line)
+        if m is None:
+            current = None
+            continue
+        current[int(m.group(1))] = m.group(2)
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    locations = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", v))
+        locations[k] = (
+            files.get(int(fields.get("file_name_id", 0)), "?"),
+            int(fields.get("line", 0)),
+            functions.get(int(fields.get("function_name_id", 0)), "?"),
+        )
+    parents, where = {}, {}
+    for k, v in tables.get("StackFrames", {}).items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", v))
+        where[k] = int(fields.get("file_location_id", 0))
+        # printed one above the parent's id; 1 (printed) is no parent
+        parents[k] = int(fields.get("parent_frame_id", 1)) - 1
+    stacks = {}
+    for k in where:
+        stack, seen, frame = [], set(), k
+        while frame in where and frame not in seen:
+            seen.add(frame)
+            if where[frame] in locations:
+                stack.append(locations[where[frame]])
+            frame = parents[frame]
+        stacks[k] = stack
+    return stacks
+
+
+def _parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
+            if m:
+                current = m.group(2)
+                computations[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is not None:
+            ins = _instruction(line, current)
+            if ins is not None:
+                computations[current].append(ins)
+    return computations, entry
+
+
+def _trip_count(ins: Instruction) -> int:
+    n = ins.backend_config.get("known_trip_count", {}).get("n")
+    return int(n) if n else 1
+
+
+def _launching(program: Program) -> Iterator[tuple[Instruction, int]]:
+    """Every instruction that runs as part of the entry computation or its control flow,
+    with how many times one call runs it."""
+
+    def walk(name: str, runs: int) -> Iterator[tuple[Instruction, int]]:
+        for ins in program.computations.get(name, []):
+            if ins.opcode == "while":
+                n = runs * _trip_count(ins)
+                yield from walk(ins.attribute("body") or "", n)
+                yield from walk(ins.attribute("condition") or "", n)
+            elif ins.opcode == "conditional":
+                names = re.findall(r"%([\w.\-]+)", ins.attributes.split("branch_computations=")[-1])
+                for branch in names:
+                    if branch in program.computations:
+                        yield from walk(branch, runs)
+            elif ins.opcode == "call":
+                yield from walk(ins.attribute("to_apply") or "", runs)
+            else:
+                yield ins, runs
+
+    yield from walk(program.entry, 1)
+
+
+def kind_of(ins: Instruction) -> str | None:
+    """The kernel kind ``ins`` launches, or None for an instruction that launches none."""
+    if ins.opcode in _NO_KERNEL:
+        return None
+    if ins.opcode == "custom-call":
+        target = ins.attribute("custom_call_target") or ""
+        for prefix, kind in _CUSTOM_CALLS:
+            if target.startswith(prefix):
+                return kind
+        return f"custom call {target}"
+    if ins.opcode == "fusion":
+        config = ins.backend_config.get("fusion_backend_config", {})
+        kind = config.get("kind")
+        if kind in _FUSION_KINDS:
+            return _FUSION_KINDS[kind]
+        return "fusion"
+    return ins.opcode
+
+
+def _dot_in(program: Program, computation: str | None) -> Instruction | None:
+    """The dot of a GEMM fusion, looked for through the fusions nested in it."""
+    for ins in program.computations.get(computation or "", []):
+        if ins.opcode in ("dot", "scaled-dot"):
+            return ins
+        if ins.opcode == "fusion":
+            found = _dot_in(program, ins.attribute("calls"))
+            if found is not None:
+                return found
+    return None
+
+
+def _operand_types(program: Program, ins: Instruction) -> list[str]:
+    types = []
+    for name in ins.operands[:2]:
+        producer = program.instructions.get(name)
+        if producer is not None and producer.outputs:
+            types.append(producer.outputs[0].dtype)
+    return types
+
+
+def _gemm_detail(program: Program, ins: Instruction, kind: str) -> str:
+    """A GEMM's operand and output types and, for a float8 cuBLASLt one, its scale operands:
+    each a computed value (fused into the GEMM) or the constant 1 (applied by another
+    kernel)."""
+    outs = ins.outputs
+    out = outs[0].dtype if outs else "?"
+    if kind == "Triton GEMM fusion":
+        dot = _dot_in(program, ins.attribute("calls"))
+        inputs = _operand_types(program, dot) if dot is not None else []
+        return f"{'x'.join(inputs)} -> {out}"
+    inputs = _operand_types(program, ins)
+    detail = f"{'x'.join(inputs)} -> {out}"
+    if kind == "float8 cuBLASLt GEMM":
+        scales = []
+        for name in ins.operands[2:]:
+            producer = program.instructions.get(name)
+            if producer is None:
+                continue
+            if producer.opcode == "constant":
+                scales.append(producer.arguments.strip() or "constant")
+            else:
+                scales.append("fused")
+        detail += f", scales {'/'.join(scales) or '-'}"
+    return detail
+
+
+def _root(program: Program, computation: str | None) -> Instruction | None:
+    body = program.computations.get(computation or "", [])
+    return body[-1] if body else None
+
+
+def _parameter_number(ins: Instruction) -> int | None:
+    return int(ins.arguments) if ins.opcode == "parameter" and ins.arguments.isdigit() else None
+
+
+def _traffic(program: Program, ins: Instruction, outs: list[Array]) -> tuple[int, int]:
+    """``(read, written)`` bytes of one run of ``ins``. A fusion that only slices an operand
+    (a loop body's dynamic slice of a stacked array) reads the slice; one whose result is a
+    dynamic update of an operand (a loop stacking what it keeps) writes the update in place
+    and reads nothing of the operand it updates."""
+    sizes = []
+    for name in ins.operands:
+        producer = program.instructions.get(name)
+        sizes.append(sum(a.nbytes for a in producer.outputs) if producer is not None else 0)
+    written = sum(a.nbytes for a in outs)
+    if ins.opcode != "fusion":
+        return sum(sizes), written
+    fused = program.computations.get(ins.attribute("calls") or "", [])
+    by_name = {f.name: f for f in fused}
+    users: dict[str, list[Instruction]] = {}
+    for f in fused:
+        for o in f.operands:
+            users.setdefault(o, []).append(f)
+    root = fused[-1] if fused else None
+    for f in fused:
+        k = _parameter_number(f)
+        if k is None or k >= len(sizes):
+            continue
+        uses = users.get(f.name, [])
+        if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == f.name for u in uses):
+            sizes[k] = sum(sum(a.nbytes for a in u.outputs) for u in uses)
+        elif (
+            root is not None
+            and root.opcode == "dynamic-update-slice"
+            and root.operands[:1] == [f.name]
+        ):
+            sizes[k] = 0
+            update = by_name.get(root.operands[1]) if len(root.operands) > 1 else None
+            if update is not None:
+                written = sum(a.nbytes for a in update.outputs)
+    return sum(sizes), written
+
+
+def _kernels(program: Program) -> Iterator[Kernel]:
+    for ins, runs in _launching(program):
+        kind = kind_of(ins)
+        if kind is None:
+            continue
+        outs = ins.outputs
+        if kind in GEMM_KINDS and len(outs) > 1 and outs[-1].dtype == "s8":
+            outs = outs[:-1]  # the GEMM's workspace
+        reads, written = _traffic(program, ins, outs)
+        detail = _gemm_detail(program, ins, kind) if kind in GEMM_KINDS else ""
+        yield Kernel(
+            kind,
+            ins.name,
+            runs,
+            reads,
+            written,
+            detail,
+            program.source(ins),
+        )
+
+
+def _peak(text: str) -> tuple[list[tuple[str, int]], int | None]:
+    """The buffers live at the peak, ``(instruction{index}, bytes)``, and the peak itself."""
+    buffers, peak, inside = [], None, False
+    for line in text.splitlines():
+        if "(peak):" in line:
+            inside = True
+            continue
+        if inside:
+            m = re.match(r"^\s+([\w.\-]+)\{([\d,]*)\}:\s+(\d+) bytes", line)
+            if m is None:
+                inside = False
+            else:
+                buffers.append((f"{m.group(1)}{{{m.group(2)}}}", int(m.group(3))))
+                continue
+        m = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", line)
+        if m:
+            peak = int(m.group(1).replace(" ", ""))
+    return buffers, peak
+
+
+def _buffer(program: Program, name: str, nbytes: int) -> Buffer:
+    base, index = name.split("{")
+    index = index.rstrip("}")
+    ins = program.instructions.get(base)
+    if ins is None:
+        return Buffer(base, nbytes, "?", "?", "")
+    outs = ins.outputs
+    shape = (
+        str(outs[int(index.split(",")[0])])
+        if index and len(outs) > 1
+        else (str(outs[0]) if outs else "?")
+    )
+    stacked = _stacked_value(program, ins)
+    if stacked is not None:
+        described = _buffer_origin(program, stacked)
+        return Buffer(base, nbytes, shape, f"stacked by a loop: {described[0]}", described[1])
+    made_by, source = _buffer_origin(program, ins)
+    return Buffer(base, nbytes, shape, made_by, source)
+
+
+def _stacked_value(program: Program, ins: Instruction) -> Instruction | None:
+    """For a fusion that writes one slice of a stacked array per loop iteration (what a
+    scan keeps for its backward pass), the instruction that made the slice."""
+    if ins.opcode != "fusion":
+        return None
+    fused = program.computations.get(ins.attribute("calls") or "", [])
+    root = fused[-1] if fused else None
+    if root is None or root.opcode != "dynamic-update-slice" or len(root.operands) < 2:
+        return None
+    inner = {f.name: f for f in fused}
+    update = _through(inner, inner.get(root.operands[1]))
+    k = None if update is None else _parameter_number(update)
+    if k is not None and k < len(ins.operands):
+        return _through(program.instructions, program.instructions.get(ins.operands[k]))
+    return update
+
+
+def _through(instructions: dict[str, Instruction], ins: Instruction | None) -> Instruction | None:
+    """What made ``ins``, past the instructions that hand a value on unchanged."""
+    while ins is not None and ins.opcode in _PASSING and ins.operands:
+        ins = instructions.get(ins.operands[0], None) or ins
+        if ins.opcode in _PASSING and ins.operands and ins.operands[0] not in instructions:
+            break
+    return ins
+
+
+def _buffer_origin(program: Program, ins: Instruction) -> tuple[str, str]:
+    op_name = ins.attribute("op_name") or ""
+    if ins.opcode == "parameter" and ins.computation == program.entry:
+        made_by = f"argument {op_name or ins.name}"
+    else:
+        # the primitive, with the transformation it sat under (jvp: the forward pass,
+        # transpose: the backward pass)
+        parts = [p for p in op_name.split("/") if p]
+        phase = "backward " if any(p.startswith("transpose(") for p in parts) else ""
+        made_by = f"{phase}{parts[-1] if parts else ins.opcode}"
+    return made_by, program.source(ins)
+
+
+def read(folder: str | Path) -> Program:
+    """The program XLA dumped into ``folder`` (one compiled module)."""
+    folder = Path(folder)
+    (hlo,) = sorted(folder.glob("*after_optimizations.txt"))
+    text = hlo.read_text()
+    computations, entry = _parse(text)
+    instructions = {ins.name: ins for body in computations.values() for ins in body}
+    ranges = sorted(folder.glob("*after_optimizations-live-range.txt"))
+    program = Program(instructions, computations, entry, _frames(text), [], None)
+    if ranges:
+        live, peak = _peak(ranges[0].read_text())
+        program.peak_buffers = [_buffer(program, n, b) for n, b in live]
+        program.peak_bytes = peak
+    return program

@@ -1,0 +1,105 @@
+"""``make gpu-plan``: GPU programs compiled on a machine without a GPU, and read back.
+
+The reader of XLA's dump (``benchmarks/xla_program.py``) is tested on a small module written
+here in XLA's text format; the whole tool runs where ``make gpu-plan`` built its venv (the
+CUDA plugin is 5.5 GB, so the suite does not install it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import load_script
+
+ROOT = Path(__file__).parents[1]
+xla_program = load_script(ROOT / "benchmarks" / "xla_program.py")
+
+# A forward float8 GEMM whose second scale is a constant 1, a loop that stacks a GEMM's
+# output (twice), and a Triton GEMM fusion; the shapes are small so the figures are exact.
+MODULE = (Path(__file__).parent / "gpu_plan_module.hlo.txt").read_text()
+
+LIVE_RANGES = """\
+HloLiveRange (max 9):
+  Live ranges at 5 (peak):
+    loop_dus_fusion{}: 128 bytes (cumulative: 128 bytes)
+    a{}: 2048 bytes (cumulative: 2176 bytes)
+  Stack trace breakdown for peak usage: 2 176 bytes
+"""
+
+
+@pytest.fixture
+def program(tmp_path):
+    (tmp_path / "module.sm_9.0a_gpu_after_optimizations.txt").write_text(MODULE)
+    (tmp_path / "module.sm_9.0a_gpu_after_optimizations-live-range.txt").write_text(LIVE_RANGES)
+    return xla_program.read(tmp_path)
+
+
+def test_kernels_are_read_with_their_kind_runs_and_traffic(program):
+    kernels = {k.name: k for k in program.kernels()}
+    assert set(kernels) == {"cublas-gemm.1", "gemm_fusion", "loop_dus_fusion"}
+    f8 = kernels["cublas-gemm.1"]
+    assert f8.kind == "float8 cuBLASLt GEMM" and f8.runs == 1
+    # operands 64*32 + 32*16 bytes and two f32 scalars; the f32 output without the workspace
+    assert (f8.reads, f8.writes) == (2048 + 512 + 8, 64 * 16 * 4)
+    assert f8.detail == "f8e4m3fnxf8e4m3fn -> f32, scales fused/1"
+    assert f8.source == "model.py:12 (loss)"  # the user's frame, not the library's
+    gemm = kernels["gemm_fusion"]
+    assert (gemm.kind, gemm.runs, gemm.detail) == ("Triton GEMM fusion", 2, "bf16xbf16 -> bf16")
+    # a loop's in-place update writes its slice and reads the slice's value, not the stack
+    dus = kernels["loop_dus_fusion"]
+    assert (dus.runs, dus.reads, dus.writes) == (2, 4 + 4 * 8 * 2, 4 * 8 * 2)
+
+
+def test_the_peak_names_each_buffer_and_what_a_loop_stacks(program):
+    assert program.peak_bytes == 2176
+    stacked, argument = program.peak_buffers
+    assert (stacked.nbytes, stacked.shape) == (128, "bf16[2,4,8]")
+    assert stacked.made_by == "stacked by a loop: dot_general"
+    assert stacked.source == "model.py:12 (loss)"
+    assert (argument.made_by, argument.shape) == ("argument x", "f8e4m3fn[64,32]")
+
+
+def test_measured_figures_are_those_of_the_docs_gpu_table():
+    # read off the source: importing the script would set JAX_PLATFORMS for this process
+    source = (ROOT / "benchmarks" / "gpu_plan.py").read_text()
+    table = source.split("MEASURED = {")[1].split("}")[0]
+    figures = [int(m) for m in re.findall(r"\): (\d+),", table)]
+    gpu = (ROOT / "docs" / "benchmarks.md").read_text().split("## On a GPU")[1].split("###")[0]
+    assert len(figures) == 15 and all(f"| {value} |" in gpu for value in figures)
+
+
+def _plugin_python() -> Path:
+    return ROOT / ".venv-gpu-plan" / "bin" / "python"
+
+
+def _has_plugin_venv() -> bool:
+    return (ROOT / ".venv-gpu-plan" / ".installed").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_plugin_venv(), reason="make gpu-plan builds .venv-gpu-plan")
+def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
+    out = tmp_path / "plan.json"
+    rows = "linear/fp8/-;GPT-2 small/amp bf16/fused"
+    done = subprocess.run(
+        [str(_plugin_python()), str(ROOT / "benchmarks" / "gpu_plan.py"), "--tiny"]
+        + ["--devices", "H100", "--rows", rows, "--triton", "off", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    plans = json.loads(out.read_text())
+    linear = plans["linear / fp8 / - / H100 / Triton GEMM off"]
+    gpt = plans["GPT-2 small / amp bf16 / fused / H100 / Triton GEMM off"]
+    # the float8 products became float8 cuBLASLt GEMMs, and the attention cuDNN's kernel
+    assert linear["kernels"]["float8 cuBLASLt GEMM"]["launches"] == 3
+    assert gpt["kernels"]["cuDNN attention"]["launches"] >= 2
+    for p in (linear, gpt):
+        assert p["peak_mib"] > p["temporaries_mib"] > 0 and p["buffers"]
+    assert "largest buffers live at the peak" in done.stdout
