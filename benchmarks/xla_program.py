@@ -20,7 +20,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 # Bytes per element of HLO's element types.
 _ITEMSIZE = {
@@ -465,6 +465,44 @@ def _peak(text: str) -> tuple[list[tuple[str, int]], int | None]:
     return buffers, peak
 
 
+def _placements(text: str) -> dict[str, tuple[int, int]]:
+    """``instruction{index}`` -> ``(allocation, offset)`` of each value, from XLA's buffer
+    assignment: values at one place and live together are one buffer under several names (a
+    loop's output is its body's result, updated in place)."""
+    places, allocation = {}, -1
+    for line in text.splitlines():
+        m = re.match(r"^allocation (\d+):", line)
+        if m:
+            allocation = int(m.group(1))
+            continue
+        m = re.match(
+            r"^\s*value: <\d+ ([\w.\-]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
+            r"\(size=\d+,offset=(\d+)\)",
+            line,
+        )
+        if m:
+            places[m.group(1) + (m.group(2) or "{}")] = (allocation, int(m.group(3)))
+    return places
+
+
+def _distinct(
+    live: list[tuple[str, int]], places: dict[str, tuple[int, int]], program: Program
+) -> list[tuple[str, int]]:
+    """``live`` with each buffer once, under its most telling name: the value a loop or a
+    tuple merely passes on is the one its body made."""
+
+    def telling(name: str) -> int:
+        ins = program.instructions.get(name.split("{")[0])
+        return 1 if ins is None or ins.opcode in ("while", "tuple", "parameter") else 0
+
+    chosen: dict[Any, tuple[str, int]] = {}
+    for name, nbytes in live:
+        place = places.get(name, name)
+        if place not in chosen or telling(name) < telling(chosen[place][0]):
+            chosen[place] = (name, nbytes)
+    return sorted(chosen.values(), key=lambda b: -b[1])
+
+
 def _buffer(program: Program, name: str, nbytes: int) -> Buffer:
     base, index = name.split("{")
     index = index.rstrip("}")
@@ -532,9 +570,12 @@ def read(folder: str | Path) -> Program:
     computations, entry = _parse(text)
     instructions = {ins.name: ins for body in computations.values() for ins in body}
     ranges = sorted(folder.glob("*after_optimizations-live-range.txt"))
+    assignment = sorted(folder.glob("*after_optimizations-buffer-assignment.txt"))
     program = Program(instructions, computations, entry, _frames(text), [], None)
     if ranges:
-        live, peak = _peak(ranges[0].read_text())
+        live, _ = _peak(ranges[0].read_text())
+        if assignment:
+            live = _distinct(live, _placements(assignment[0].read_text()), program)
         program.peak_buffers = [_buffer(program, n, b) for n, b in live]
-        program.peak_bytes = peak
+        program.peak_bytes = sum(b for _, b in live)
     return program

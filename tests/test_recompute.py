@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import autocast
+from autocast import _compat
 from autocast._src.tools import measure as _measure
 from autocast._src.transform.recompute import recompute_all
 
@@ -222,3 +223,50 @@ def test_an_equinox_cnn_tail_keeps_its_pooled_activation_once():
         loss, m, x, include_inputs=False
     )
     assert ratio < 0.65
+
+
+def _checkpoints(jaxpr, policy):
+    """``(prevent_cse, inside a loop body)`` of each checkpoint amp emitted with ``policy``."""
+    found = []
+
+    def walk(jaxpr, in_loop):
+        for e in jaxpr.eqns:
+            if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is policy:
+                found.append((e.params["prevent_cse"], in_loop))
+            loop = in_loop or e.primitive.name in ("scan", "while")
+            for sub in _compat.sub_jaxprs(e):
+                walk(getattr(sub, "jaxpr", sub), loop)
+
+    walk(jaxpr.jaxpr, False)
+    return found
+
+
+def test_outside_a_loop_recomputation_is_kept_apart_from_the_forward_pass():
+    # XLA would merge a backward recomputation with the identical forward computation (common
+    # subexpressions) and keep what the chain spares; a loop body's backward runs in a loop of
+    # its own, where it cannot, and barriers would only hinder XLA there
+    from autocast._src.transform.regions import save_nothing
+
+    args = _mlp_args()
+    unrolled = autocast.amp(_gelu_mlp, compute_dtype=BF16)
+    assert _checkpoints(jax.make_jaxpr(jax.grad(unrolled))(*args), recompute_all) == [(True, False)]
+
+    def scanned(w1, w2, x):
+        h, _ = jax.lax.scan(lambda h, _: (jax.nn.gelu(h @ w1) @ w2, None), x, None, length=2)
+        return jnp.sum(h**2)
+
+    amp = autocast.amp(scanned, compute_dtype=BF16)
+    assert set(_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args), recompute_all)) == {(False, True)}
+
+    # a wide region whose result flows on as an activation is kept apart too; one that ends in
+    # a statistic (a loss) is not: its cotangent is known in the forward pass, where XLA then
+    # computes its backward without keeping its input
+    def normed(w1, w2, x):
+        h = x @ w1
+        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        logp = jax.nn.log_softmax((h @ w2).astype(jnp.float32))
+        return -jnp.mean(logp[:, 0])
+
+    amp = autocast.amp(normed, compute_dtype=BF16)
+    regions = _checkpoints(jax.make_jaxpr(jax.grad(amp))(*args), save_nothing)
+    assert (True, False) in regions and (False, False) in regions

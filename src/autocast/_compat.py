@@ -442,14 +442,19 @@ def trace_open(fn: Any, args: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
 
 
 def bind_checkpoint(
-    jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *, policy: Any
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    *,
+    policy: Any,
+    prevent_cse: bool = False,
 ) -> Any:
-    """What ``jax.checkpoint(fn, prevent_cse=False, policy=policy)(*args)`` binds, for an
-    ``fn`` already traced to ``jaxpr`` (see :func:`trace_open`); its single output."""
+    """What ``jax.checkpoint(fn, prevent_cse=prevent_cse, policy=policy)(*args)`` binds, for
+    an ``fn`` already traced to ``jaxpr`` (see :func:`trace_open`); its single output."""
     from jax._src.ad_checkpoint import remat_p
 
     (out,) = remat_p.bind(
-        *consts, *args, jaxpr=jaxpr, prevent_cse=False, differentiated=False, policy=policy
+        *consts, *args, jaxpr=jaxpr, prevent_cse=prevent_cse, differentiated=False, policy=policy
     )
     return out
 

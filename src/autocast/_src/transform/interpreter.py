@@ -54,7 +54,7 @@ from autocast._src.policy.precision import (
     use_precision_by_exponent,
     use_widest_precision,
 )
-from autocast._src.transform import entry_points, recompute, regions
+from autocast._src.transform import entry_points, picks, recompute, regions
 from autocast._src.tree import is_floating_dtype
 
 
@@ -150,6 +150,11 @@ class Context:
     # (:mod:`autocast._src.transform.recompute`): not inside a checkpoint, whose policy the
     # user chose and which recomputes its body anyway.
     recompute: bool = True
+    # Whether the jaxpr is a loop's body. The checkpoints amp emits (wide regions, recomputed
+    # chains) stop XLA from merging their backward recomputation into the forward pass
+    # (prevent_cse) except there: a loop's backward runs in a loop of its own, where no such
+    # merge can happen, and the barriers would only hinder XLA (jax.checkpoint says so).
+    in_loop: bool = False
 
     def enter(self, eqn: Any, *, in_place: bool = False) -> Context:
         """The context for the sub-jaxprs of ``eqn``. Only scopes the policy names are kept:
@@ -158,6 +163,8 @@ class Context:
         names = _compat.scope_names(eqn)
         inner = tuple(s for s in names if s in self.scope_keys)
         ctx = self
+        if not self.in_loop and eqn.primitive.name in _LOOPS:
+            ctx = dataclasses.replace(ctx, in_loop=True)
         if self.fp8_history is not None and not in_place:
             ctx = dataclasses.replace(ctx, fp8_history=None)
         if self.observer is not None:
@@ -175,6 +182,10 @@ class Context:
             return outs
         seen = self.observer(eqn, rule, invars, outs, self)
         return outs if seen is None else seen
+
+
+# Primitives whose sub-jaxprs run as a loop's body.
+_LOOPS = frozenset({"scan", "while"})
 
 
 def decide_by_scope(eqn: Any, ctx: Context) -> PrecisionFn | None:
@@ -601,11 +612,12 @@ def apply_first_order(
         return cast_value(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
     custom = CUSTOM_BINDINGS.get(rule)
-    outs = (
-        _compat.bind_equation(eqn, invars, params)
-        if custom is None
-        else custom(eqn, invars, params, ctx)
-    )
+    if custom is not None:
+        outs = custom(eqn, invars, params, ctx)
+    elif _regions_on(ctx):
+        outs = picks.bind_equation(eqn, invars, params)
+    else:
+        outs = _compat.bind_equation(eqn, invars, params)
     return ctx.observed(eqn, rule, invars, outs)
 
 
@@ -859,7 +871,9 @@ def _eval_jaxpr(
         if chains and handler is None:
             dtype = _link_dtype(eqn, invals, kinds, ctx, uses)
             if dtype is not None:
-                env[eqn.outvars[0]] = recompute.Link(eqn, invals, kinds, dtype, bind)
+                env[eqn.outvars[0]] = recompute.Link(
+                    eqn, invals, kinds, dtype, bind, prevent_cse=not ctx.in_loop
+                )
                 kind_of[eqn.outvars[0]] = kind
                 continue
         if chains and any(isinstance(x, recompute.Link) for x in invals):

@@ -70,12 +70,29 @@ class Link:
     result, known before it is bound (the chain's activation dtype).
     """
 
-    __slots__ = ("eqn", "args", "kinds", "dtype", "shape", "bind", "_plain", "_alone")
+    __slots__ = (
+        "eqn",
+        "args",
+        "kinds",
+        "dtype",
+        "shape",
+        "bind",
+        "prevent_cse",
+        "_plain",
+        "_alone",
+    )
 
     def __init__(
-        self, eqn: Any, args: Sequence[Any], kinds: Sequence[int], dtype: Any, bind: Callable
+        self,
+        eqn: Any,
+        args: Sequence[Any],
+        kinds: Sequence[int],
+        dtype: Any,
+        bind: Callable,
+        prevent_cse: bool = True,
     ) -> None:
         self.eqn = eqn
+        self.prevent_cse = prevent_cse
         self.args = tuple(args)
         self.kinds = tuple(kinds)
         self.dtype = np.dtype(dtype)
@@ -205,7 +222,10 @@ def _checkpointed(
                     )
             return finish(value_of)
 
-    return jax.checkpoint(region, prevent_cse=False, policy=recompute_all)(*leaves)
+    # outside a loop body, XLA would merge the backward's recomputation with the forward
+    # pass and keep what the chain was written to spare
+    prevent_cse = any(n.prevent_cse for n in order)
+    return jax.checkpoint(region, prevent_cse=prevent_cse, policy=recompute_all)(*leaves)
 
 
 def _checked(node: Link, value: Any) -> Any:

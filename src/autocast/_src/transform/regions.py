@@ -43,6 +43,7 @@ from autocast._src.policy.precision import (
     use_precision_by_exponent,
     use_widest_precision,
 )
+from autocast._src.transform import picks
 
 _F32 = np.dtype(np.float32)
 
@@ -324,7 +325,7 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
                         value = arg if _is_constant(arg) else values[position[id(arg)]]
                     ins.append(cast_value(value, original) if castable(value, original) else value)
                 with _compat.equation_context(node.eqn):
-                    out = _compat.bind_equation(node.eqn, ins, node.eqn.params)
+                    out = picks.bind_equation(node.eqn, ins, node.eqn.params)
                 out = done[id(node)] = node.ctx.observed(node.eqn, node.rule, ins, out)
                 return out
 
@@ -335,12 +336,15 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
         return region(*leaves)
     cache = _traced_regions[-1] if _traced_regions and root.ctx.observer is None else None
     key = _structure(root, position, resolved, leaves, dtype) if cache is not None else None
+    # outside a loop body, XLA would merge the backward's recomputation with the forward
+    # pass and keep the float32 intermediates the region was made to spare
+    prevent_cse = not root.ctx.in_loop and root.full
     if key is None:
-        return jax.checkpoint(region, prevent_cse=False, policy=save_nothing)(*leaves)
+        return jax.checkpoint(region, prevent_cse=prevent_cse, policy=save_nothing)(*leaves)
     traced = cache.get(key)
     if traced is None:
         traced = cache[key] = _compat.trace_open(region, leaves)
-    return _compat.bind_checkpoint(*traced, leaves, policy=save_nothing)
+    return _compat.bind_checkpoint(*traced, leaves, policy=save_nothing, prevent_cse=prevent_cse)
 
 
 # The regions traced so far in the program amp is evaluating (innermost last), by structure:

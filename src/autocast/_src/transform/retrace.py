@@ -109,6 +109,7 @@ def retrace(
         ctx.compute_dtype,
         ctx.scopes,
         ctx.recompute,
+        ctx.in_loop,
     )
     held = (jaxpr, ctx.policy)
     # An observer must see every equation, and float8 histories are handed out per call, so
