@@ -261,12 +261,63 @@ def test_outside_a_loop_recomputation_is_kept_apart_from_the_forward_pass():
     # a wide region whose result flows on as an activation is kept apart too; one that ends in
     # a statistic (a loss) is not: its cotangent is known in the forward pass, where XLA then
     # computes its backward without keeping its input
+    def norm(h):
+        return (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+
     def normed(w1, w2, x):
-        h = x @ w1
-        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
-        logp = jax.nn.log_softmax((h @ w2).astype(jnp.float32))
+        logp = jax.nn.log_softmax((norm(x @ w1) @ w2).astype(jnp.float32))
         return -jnp.mean(logp[:, 0])
 
     amp = autocast.amp(normed, compute_dtype=BF16)
-    regions = _checkpoints(jax.make_jaxpr(jax.grad(amp))(*args), save_nothing)
-    assert (True, False) in regions and (False, False) in regions
+    jaxpr = jax.make_jaxpr(jax.grad(amp))(*args)
+    assert _checkpoints(jaxpr, save_nothing) == [(False, False)]  # the loss
+    # the layer norm, recomputed with the product that reads it
+    assert _checkpoints(jaxpr, recompute_all) == [(True, False)]
+    amp = autocast.amp(lambda w1, x: norm(x @ w1), compute_dtype=BF16)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(amp(*a) ** 2)))(args[0], args[2])
+    assert _checkpoints(jaxpr, save_nothing) == [(True, False)]  # an output: its own region
+
+
+def _conv(x, w):
+    dims = ("NHWC", "HWIO", "NHWC")
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims)
+
+
+def _batch_norm(h):
+    return (h - h.mean((0, 1, 2))) * jax.lax.rsqrt(h.var((0, 1, 2)) + 1e-5)
+
+
+def test_conv_batch_norm_relu_keeps_one_array_per_layer():
+    # the batch norm's region and jax.nn.relu (a custom_jvp) are recomputed with the next
+    # convolution: each layer keeps its convolution's output, where it kept that, the
+    # normalised array and the relu's (float32 keeps eight, and two masks)
+    def net(w1, w2, w3, x):
+        h = jax.nn.relu(_batch_norm(_conv(x, w1)))
+        h = jax.nn.relu(_batch_norm(_conv(h, w2)))
+        return jnp.sum(_conv(h, w3) ** 2)
+
+    k = jax.random.split(KEY, 4)
+    w1 = jax.random.normal(k[0], (3, 3, 3, 16)) * 0.2
+    w2, w3 = (jax.random.normal(kk, (3, 3, 16, 16)) * 0.1 for kk in k[1:3])
+    x = jax.random.normal(k[3], (4, 8, 8, 3))
+    args = (w1, w2, w3, x)
+    amp = autocast.amp(net, compute_dtype=BF16)
+    # the two convolutions' outputs that feed a norm, and the last one's (its square reads it)
+    kept = hidden_residuals(amp, *args, shape=(4, 8, 8, 16))
+    assert [a.dtype for a in kept] == [BF16] * 3
+    got = jax.grad(amp, argnums=(0, 1, 2))(*args)
+    assert _measure.relative_error(got, jax.grad(net, argnums=(0, 1, 2))(*args)) < 0.02
+
+
+def test_a_layer_norm_into_a_product_keeps_the_activation_it_normalises():
+    def block(w1, w2, x):
+        h = x @ w1
+        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        return jnp.sum((h @ w2) ** 2)
+
+    w1, w2, x = _mlp_args()
+    amp = autocast.amp(block, compute_dtype=BF16)
+    # h @ w1 and nothing else of that shape: the normalised h is recomputed for w2's gradient
+    assert [a.dtype for a in hidden_residuals(amp, w1, w2, x, shape=(64, 128))] == [BF16]
+    got = jax.grad(amp, argnums=(0, 1))(w1, w2, x)
+    assert _measure.relative_error(got, jax.grad(block, argnums=(0, 1))(w1, w2, x)) < 0.02

@@ -12,6 +12,7 @@ import autocast
 from autocast import _compat
 from autocast._src.tools import measure as _measure
 from autocast._src.transform import regions
+from autocast._src.transform.recompute import recompute_all
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 P = jax.sharding.PartitionSpec
@@ -32,13 +33,24 @@ def _regions(jaxpr):
     return [e for e in _measure.equations(jaxpr) if e.params.get("policy") is regions.save_nothing]
 
 
+def _recomputed(jaxpr):
+    """The checkpoints of chains (and of the regions read by matrix products) amp emitted."""
+    return [e for e in _measure.equations(jaxpr) if e.params.get("policy") is recompute_all]
+
+
 def test_a_normalisation_runs_in_float32_and_leaves_in_16_bits():
     jaxpr = jaxpr_of(autocast.amp(layer_norm_mlp, compute_dtype=BF16), W, X)
-    region, _ = _regions(jaxpr)  # the layer norm; then tanh(...) ** 2, ending in its sum
-    inner = region.params["jaxpr"]
-    assert [v.aval.dtype for v in region.invars][0] == jnp.dtype(BF16)  # the activation, once
+    # the layer norm is recomputed with the product that reads it: one checkpoint whose
+    # inputs are the 16-bit activation (once) and the weight
+    (product,) = _recomputed(jaxpr)
+    inner = product.params["jaxpr"]
+    full = [v.aval.dtype for v in product.invars if v.aval.shape == (X.shape[0], W.shape[1])]
+    assert full == [jnp.dtype(BF16)] and product.invars[-1].aval == W.aval
     assert {d for ds in operand_dtypes(inner, "sub") for d in ds} == {"float32"}
-    assert [v.aval.dtype for v in region.outvars] == [jnp.dtype(BF16)]
+    assert operand_dtypes(inner, "dot_general") == [("bfloat16", "bfloat16")]
+    # then tanh(...) ** 2, ending in its sum: a region of its own
+    (region,) = _regions(jaxpr)
+    assert [v.aval.dtype for v in region.outvars] == [jnp.dtype(F32)]
     assert operand_dtypes(jaxpr, "dot_general") == [("bfloat16", "bfloat16")] * 2
 
 
@@ -108,11 +120,12 @@ def test_a_reused_region_keeps_the_context_of_the_block_it_stands_for():
         return jnp.sum(h @ w)
 
     jaxpr = jaxpr_of(autocast.amp(f, compute_dtype=BF16), W, X)
+    # each norm is recomputed with the product that reads it; the first keeps no tag
     tagged = [
         any("second" in str(getattr(e.ctx, "xla_metadata", "")) for e in r.params["jaxpr"].eqns)
-        for r in _regions(jaxpr)
+        for r in _recomputed(jaxpr)
     ]
-    assert not tagged[0] and any(tagged)  # the second norm's region is not the first's
+    assert tagged == [False, True]  # the second norm's region is not the first's
 
 
 def test_regions_keep_gradients_close_to_float32_on_both_sides_of_grad():

@@ -689,16 +689,57 @@ def _link_dtype(
     return found
 
 
-def _product_of_links(eqn: Any, invals: Sequence[Any], ctx: Context) -> bool:
-    """Whether ``eqn`` is a matrix product in the compute dtype with a link among its
-    operands, which is recomputed together with the chains feeding it. Not a float8
+def _elementwise_body(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` is elementwise work a chain may hold, on its one input and literals
+    (plain ``jax.jit`` calls looked into): a relu's ``max(x, 0)``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _compat.JIT_NAMES and _compat.is_plain_jit(eqn):
+            if not _elementwise_body(eqn.params["jaxpr"].jaxpr):
+                return False
+        elif eqn.primitive.name not in recompute.ELEMENTWISE or eqn.primitive.multiple_results:
+            return False
+    return len(jaxpr.invars) == 1 and not jaxpr.constvars
+
+
+def _activation_link_dtype(eqn: Any, invals: Sequence[Any], ctx: Context, uses: _Uses) -> Any:
+    """The 16-bit dtype an activation function with a derivative rule of its own
+    (``jax.nn.relu``, a ``custom_jvp`` whose body is elementwise work on one input) computes
+    in, where it may be a link of a recomputed chain: its input is a full-size 16-bit
+    activation (amp narrowed it, a link gives it, or a wide region's does) and nothing after
+    it computes in float32 from it. None where it runs as usual: its handler binds it."""
+    if eqn.primitive.name not in recompute.ACTIVATION_CALLS or len(eqn.outvars) != 1:
+        return None
+    if len(invals) != 1 or eqn.outvars[0].aval.dtype != np.float32:
+        return None
+    if decide_by_scope(eqn, ctx) is not None or uses.feeds_float32(eqn.outvars[0]):
+        return None
+    if not _elementwise_body(_compat.custom_call_jaxpr(eqn).jaxpr):
+        return None
+    (x,) = invals
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if isinstance(x, regions.Wide):
+        full = x.full and tuple(x.shape) == shape
+        dtype = np.dtype(x.narrow_dtype) if full else None
+    elif isinstance(x, recompute.Link):
+        dtype = x.dtype if x.shape == shape else None
+    elif regions.narrowed(x, eqn.invars[0]) and tuple(np.shape(x)) == shape:
+        dtype = np.dtype(x.dtype)
+    else:
+        dtype = None
+    return dtype if dtype is not None and dtype.itemsize == 2 else None
+
+
+def _recomputed_product(eqn: Any, invals: Sequence[Any], ctx: Context) -> bool:
+    """Whether ``eqn`` is a matrix product in the compute dtype with a link or a wide
+    region's value among its operands, which is recomputed together with the chains (and
+    the region) feeding it. Not a float8
     product: it keeps its float8 operands anyway, and recomputing it would quantise again
     in the backward pass (one more amax pass over the activation); its chains are
     recomputed on their own."""
     return (
         eqn.primitive.name in _PRODUCTS
         and decide(eqn, ctx) is use_compute_precision
-        and any(isinstance(x, recompute.Link) for x in invals)
+        and any(isinstance(x, (recompute.Link, regions.Wide)) for x in invals)
     )
 
 
@@ -868,6 +909,20 @@ def _eval_jaxpr(
                 env[eqn.outvars[0]] = Deferred(eqn, invals[0])
                 kind_of[eqn.outvars[0]] = kind
                 continue
+        if chains and handler is not None:
+            dtype = _activation_link_dtype(eqn, invals, ctx, uses)
+            if dtype is not None:
+                invals = [recompute.region_link(x) for x in invals]
+                env[eqn.outvars[0]] = recompute.Link(
+                    eqn,
+                    invals,
+                    kinds,
+                    dtype,
+                    lambda e, xs, ks, h=handler: h(e, [_materialized(x) for x in xs], ks, ctx)[0],
+                    prevent_cse=not ctx.in_loop,
+                )
+                kind_of[eqn.outvars[0]] = kind
+                continue
         if chains and handler is None:
             dtype = _link_dtype(eqn, invals, kinds, ctx, uses)
             if dtype is not None:
@@ -876,19 +931,19 @@ def _eval_jaxpr(
                 )
                 kind_of[eqn.outvars[0]] = kind
                 continue
-        if chains and any(isinstance(x, recompute.Link) for x in invals):
-            if handler is None and _product_of_links(eqn, invals, ctx):
-                # a region's value enters the product as apply_first_order would settle it
-                stream32, _ = regions.float32_inputs(
-                    eqn, invals, [k in (STRONG, RAW) for k in kinds]
-                )
-                invals = [regions.settle(x, np.float32 if stream32 else None) for x in invals]
+        if chains and handler is None and _recomputed_product(eqn, invals, ctx):
+            # a region's value enters the product as apply_first_order would settle it, as
+            # the first link of a chain recomputed with the product where it is an activation
+            stream32, _ = regions.float32_inputs(eqn, invals, [k in (STRONG, RAW) for k in kinds])
+            invals = [recompute.region_link(x, np.float32 if stream32 else None) for x in invals]
+            if any(isinstance(x, recompute.Link) for x in invals):
                 with _compat.equation_context(eqn):
                     out = recompute.into_product(
                         eqn, invals, lambda xs, e=eqn, k=kinds: bind(e, xs, k)
                     )
                 env[eqn.outvars[0]], kind_of[eqn.outvars[0]] = out, kind
                 continue
+        if chains and any(isinstance(x, recompute.Link) for x in invals):
             invals = [recompute.settle(x) for x in invals]
         with _compat.equation_context(eqn):
             if handler is None:

@@ -53,6 +53,9 @@ LINKS = ELEMENTWISE | MOVEMENT
 # both; a product with a scale reads the scale, which is small).
 _READS_OUTPUT = frozenset({"tanh", "logistic"})
 _READS_INPUTS = frozenset({"integer_pow", "max", "min", "abs", "clamp", "select_n", "mul", "div"})
+# An activation function with a derivative rule of its own (jax.nn.relu's custom_jvp): what
+# the rule reads is its affair; a relu's reads a mask of its input, counted as the input.
+ACTIVATION_CALLS = frozenset({"custom_jvp_call"})
 
 
 def recompute_all(*_: Any, **__: Any) -> bool:
@@ -104,6 +107,43 @@ class Link:
     @property
     def nbytes(self) -> int:
         return _size(self.shape) * self.dtype.itemsize
+
+
+class RegionLink(Link):
+    """A wide region's activation as the first link of a chain: its inputs are the region's
+    (the 16-bit activation it normalises, the statistics' gains), and binding it evaluates
+    the region on them. Recomputed into a matrix product's checkpoint, a layer norm's output
+    is kept as the activation it was computed from, which its region keeps anyway; evaluated
+    alone, it is the region as amp emits it (:meth:`regions.Wide.materialize`)."""
+
+    __slots__ = ("wide",)
+
+    def __init__(self, wide: Any, dtype: Any, body: Callable, leaves: Sequence[Any]) -> None:
+        super().__init__(
+            wide.eqn,
+            leaves,
+            (0,) * len(leaves),
+            dtype,
+            lambda eqn, values, kinds: body(*values),
+            prevent_cse=not wide.ctx.in_loop,
+        )
+        self.wide = wide
+
+    def emitted(self) -> Any:
+        return self.wide.materialize(self.dtype)
+
+
+def region_link(x: Any, dtype: Any = None) -> Any:
+    """``x`` as a chain's first link where it is a wide region's activation (one per region
+    and dtype, so a chain reading it twice recomputes it once); else ``x`` settled."""
+    if not isinstance(x, regions.Wide):
+        return x
+    dtype = np.dtype(x.narrow_dtype if dtype is None else dtype)
+    links = x.links
+    if dtype not in links:
+        found = regions.recomputable(x, dtype)
+        links[dtype] = None if found is None else RegionLink(x, dtype, *found)
+    return links[dtype] if links[dtype] is not None else x.materialize(dtype)
 
 
 def _size(shape: Sequence[int]) -> int:
@@ -167,9 +207,13 @@ def _kept_as_written(order: Sequence[Link]) -> int:
     kept: dict[int, int] = {}
     for node in order:
         name = node.eqn.primitive.name
-        if name in _READS_OUTPUT:
+        if isinstance(node, RegionLink):
+            # emitted on its own, the region keeps its inputs
+            for a in node.args:
+                kept[id(a)] = _nbytes(a)
+        elif name in _READS_OUTPUT:
             kept[id(node)] = node.nbytes
-        elif name in _READS_INPUTS:
+        elif name in _READS_INPUTS or name in ACTIVATION_CALLS:
             data = [a for a in node.args if not _is_constant(a) and not _is_deferred(a)]
             if name in ("mul", "div") and len(data) < 2 and len(node.args) == 2:
                 # a product with a scale or a constant reads only the scale (small)
@@ -242,7 +286,9 @@ def _plain(node: Link) -> Any:
     if node._plain is None:
         order, _ = _walk([node])
         for n in order:
-            if n._plain is None:
+            if n._plain is None and isinstance(n, RegionLink):
+                n._plain = n.emitted()
+            elif n._plain is None:
                 args = [settle_plain(a) for a in n.args]
                 with _compat.equation_context(n.eqn):
                     n._plain = _checked(n, n.bind(n.eqn, args, n.kinds))
@@ -258,6 +304,8 @@ def settle(x: Any) -> Any:
     keeps fewer bytes, else as written. Emitted once per link."""
     if not isinstance(x, Link):
         return x
+    if isinstance(x, RegionLink):
+        return x.emitted()  # the region's own checkpoint keeps no more than its inputs
     if x._alone is None:
         if x._plain is not None:
             return x._plain

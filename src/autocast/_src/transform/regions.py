@@ -133,6 +133,7 @@ class Wide:
         "ctx",
         "dtype",
         "shape",
+        "links",
         "_made",
     )
 
@@ -151,6 +152,8 @@ class Wide:
         # a statistic leaves its region in float32, so only an activation can be out of range
         self.unsafe = self.full and _is_range_unsafe(eqn, self.args)
         self._made: dict[Any, Any] = {}
+        # its recomputed-chain links by dtype (autocast._src.transform.recompute)
+        self.links: dict[Any, Any] = {}
 
     @property
     def narrow_dtype(self) -> np.dtype:
@@ -303,8 +306,11 @@ def _only_summed(root: Wide, resolved: dict[int, Any]) -> bool:
     return True
 
 
-def _emit(root: Wide, dtype: np.dtype) -> Any:
-    leaves, resolved = _inputs(root)
+def _body(
+    root: Wide, dtype: np.dtype, leaves: Sequence[Any], resolved: dict[int, Any]
+) -> Callable[..., Any]:
+    """The region computing ``root`` as a function of values for its inputs ``leaves``: the
+    original program's arithmetic on them, the result stored in ``dtype``."""
     position = {id(x): i for i, x in enumerate(leaves)}
 
     def region(*values: Any) -> Any:
@@ -331,6 +337,28 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
 
             out = evaluate(root)
             return cast_value(out, dtype) if castable(out, dtype) else out
+
+    return region
+
+
+def recomputable(root: Wide, dtype: Any = None) -> tuple[Callable[..., Any], list[Any]] | None:
+    """The region computing the activation ``root`` (stored in ``dtype``, default its narrow
+    one) as a function of its inputs, and the inputs, for a checkpoint of a consumer's to
+    recompute (:mod:`autocast._src.transform.recompute`); None for a statistic, and for a
+    region emitted as plain arithmetic (one that only sums its large inputs)."""
+    if not root.full:
+        return None
+    dtype = np.dtype(root.narrow_dtype if dtype is None else dtype)
+    leaves, resolved = _inputs(root)
+    if _only_summed(root, resolved):
+        return None
+    return _body(root, dtype, leaves, resolved), leaves
+
+
+def _emit(root: Wide, dtype: np.dtype) -> Any:
+    leaves, resolved = _inputs(root)
+    position = {id(x): i for i, x in enumerate(leaves)}
+    region = _body(root, dtype, leaves, resolved)
 
     if _only_summed(root, resolved):
         return region(*leaves)
