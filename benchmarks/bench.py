@@ -14,7 +14,10 @@ Sections, each a table (``--only`` picks some):
   ``bench-torch`` extra);
 - ``parallel``: a tensor-parallel MLP on 8 simulated CPU devices (its own process): bytes
   communicated per step, loss against float32;
-- ``trace``: ``jit(amp(f)).lower`` over ``jit(f).lower`` on a 12-layer GPT;
+- ``trace``: ``jit(amp(f)).lower`` over ``jit(f).lower`` on a 12-layer GPT, and a gradient
+  step's first call (trace, compile, run) under amp over the hand-cast model's;
+- ``recompute``: an unrolled MLP's gradient step with its chains recomputed in the backward
+  pass against the same program with the recomputation merged away by XLA;
 - ``third_party``: amp on custom rules with closures, diffrax, optimistix, lineax, Pallas;
 - ``fp8``: amp with float8 products against amp bfloat16: 8-bit and e5m2 FLOP shares,
   gradient error, activation memory, loss after training the demo's GPT;
@@ -46,7 +49,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -56,12 +58,11 @@ import fp8_compute  # noqa: E402
 import gpu_step  # noqa: E402
 import mixed_precision  # noqa: E402
 import model_families  # noqa: E402
+import recompute_cost  # noqa: E402
 import third_party  # noqa: E402
 import torch_autocast  # noqa: E402
 import trace_overhead  # noqa: E402
 
-import autocast  # noqa: E402
-from autocast._src.demo import models as _models  # noqa: E402
 from autocast._src.tools import measure as _measure  # noqa: E402
 
 
@@ -157,22 +158,14 @@ def run_parallel(results: dict, options: argparse.Namespace) -> None:
 
 
 def run_trace(results: dict, options: argparse.Namespace) -> None:
-    print("== trace overhead: jit(amp(f)).lower / jit(f).lower, 12-layer unrolled GPT ==")
-    key = jax.random.PRNGKey(0)
-    params = _models.init_gpt(key, layers=12, d=64, seq=32)
-    tokens = _models.gpt_batch(key, seq=32)
-    plain = lambda: lambda p, t: _models.gpt_loss(p, t)  # noqa: E731
-    amped = lambda: autocast.amp(lambda p, t: _models.gpt_loss(p, t), compute_dtype=jnp.bfloat16)  # noqa: E731
-    trace_overhead.best_of_interleaved(plain, amped, (params, tokens), 1)
-    base, mixed = trace_overhead.best_of_interleaved(
-        plain, amped, (params, tokens), options.repeats
-    )
-    results["trace_overhead"] = {
-        "plain_ms": 1e3 * base,
-        "amp_ms": 1e3 * mixed,
-        "ratio": mixed / base,
-    }
-    print(f"{1e3 * base:.1f} ms -> {1e3 * mixed:.1f} ms: {mixed / base:.2f}x")
+    print("== trace overhead, 12-layer unrolled GPT: lowering and a gradient step's first call ==")
+    results["trace_overhead"] = r = trace_overhead.measure(12, options.repeats)
+    trace_overhead.report(r, 12, options.repeats)
+
+
+def run_recompute(results: dict, options: argparse.Namespace) -> None:
+    print("== recomputed chains kept apart from the forward pass: what it costs in time ==")
+    results["recompute"] = recompute_cost.main(["--repeats", str(options.repeats)])
 
 
 def run_third_party(results: dict, options: argparse.Namespace) -> None:
@@ -204,6 +197,7 @@ RUNNERS = {
     "torch": run_torch,
     "parallel": run_parallel,
     "trace": run_trace,
+    "recompute": run_recompute,
     "third_party": run_third_party,
     "fp8": run_fp8,
     "diagnose": run_diagnose,

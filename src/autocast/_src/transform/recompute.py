@@ -58,6 +58,11 @@ _READS_INPUTS = frozenset({"integer_pow", "max", "min", "abs", "clamp", "select_
 ACTIVATION_CALLS = frozenset({"custom_jvp_call"})
 
 
+# Whether checkpoints outside a loop body are kept apart from the forward pass (see
+# _checkpointed); False only to measure what the barrier costs (benchmarks/recompute_cost.py).
+PREVENT_CSE_OUTSIDE_LOOPS = True
+
+
 def recompute_all(*_: Any, **__: Any) -> bool:
     """The checkpoint policy of a recomputed chain: nothing inside is kept. A function of
     its own, so measures can tell these checkpoints from wide regions and the user's."""
@@ -268,7 +273,7 @@ def _checkpointed(
 
     # outside a loop body, XLA would merge the backward's recomputation with the forward
     # pass and keep what the chain was written to spare
-    prevent_cse = any(n.prevent_cse for n in order)
+    prevent_cse = PREVENT_CSE_OUTSIDE_LOOPS and any(n.prevent_cse for n in order)
     return jax.checkpoint(region, prevent_cse=prevent_cse, policy=recompute_all)(*leaves)
 
 
