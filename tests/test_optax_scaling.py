@@ -431,3 +431,97 @@ def test_step_has_no_host_sync(axis_name):
     text = lowered.as_text().lower()
     for word in ("callback", "infeed", "outfeed"):
         assert word not in text, word
+
+
+def _accumulation_problem():
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": jax.random.normal(k[0], (16, 64)) * 0.3,
+        "w2": jax.random.normal(k[1], (64, 1)) * 0.3,
+    }
+    x = jax.random.normal(k[2], (64, 16))
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    return loss, params, x, jnp.sin(x[:, :1])
+
+
+def _clipped_adam():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+
+def test_accumulation_inside_the_scaling_trains_and_skips_a_microbatch_exactly():
+    # each microbatch's gradients are unscaled and checked before MultiSteps accumulates
+    # them: float16 from the default 2**15 trains as float32 does
+    loss, params, x, y = _accumulation_problem()
+    amp16 = autocast.amp(loss, compute_dtype=jnp.float16)
+
+    def run(scaled: bool, steps: int = 60):
+        inner = optax.MultiSteps(_clipped_adam(), every_k_schedule=4).gradient_transformation()
+        tx = aopt.dynamic_loss_scaling(inner) if scaled else inner
+        state, p = tx.init(params), params
+
+        @jax.jit
+        def step(p, state, x):
+            if not scaled:
+                g = jax.grad(loss)(p, x, y)
+            else:
+                scale = aopt.loss_scale_of(state)
+                g = jax.grad(lambda q: scale.scale(amp16(q, x, y)))(p)
+            updates, state = tx.update(g, state, p)
+            return optax.apply_updates(p, updates), state
+
+        for _ in range(steps):
+            p, state = step(p, state, x)
+        return float(loss(p, x, y)), state, step, p
+
+    start = float(loss(params, x, y))
+    f16, state, step, p = run(True)
+    f32, *_ = run(False)
+    assert f16 < 0.2 * start and abs(f16 - f32) < 0.25 * f32
+    # an overflowing microbatch: nothing of it reaches the accumulator or the optimizer
+    p_next, state_next = step(p, state, x.at[0, 0].set(jnp.inf))
+    _assert_bit_identical(p, p_next, "parameters")
+    _assert_bit_identical(state.inner.inner_state, state_next.inner.inner_state, "MultiSteps")
+    assert int(aopt.skipped_steps(state_next)) == int(aopt.skipped_steps(state)) + 1
+
+
+def test_scaling_inside_accumulation_is_refused_at_init_naming_the_order_that_trains():
+    # MultiSteps would accumulate scaled gradients, and its accumulator keeps an overflow for
+    # good (it clears by multiplying by zero): every later step skipped, silently
+    _, params, _, _ = _accumulation_problem()
+    for inner in (
+        aopt.dynamic_loss_scaling(_clipped_adam()),
+        optax.chain(optax.clip(1.0), aopt.dynamic_loss_scaling(optax.adam(1e-2))),
+    ):
+        with pytest.raises(TypeError, match=r"MultiSteps\(inner, k\).gradient_transformation"):
+            optax.MultiSteps(inner, every_k_schedule=4).init(params)
+    # a state built so anyway is refused where the scale is read
+    state = optax.MultiStepsState(
+        mini_step=jnp.zeros((), jnp.int32),
+        gradient_step=jnp.zeros((), jnp.int32),
+        inner_opt_state=aopt.dynamic_loss_scaling(optax.sgd(0.1)).init(params),
+        acc_grads=params,
+    )
+    with pytest.raises(TypeError, match="gradient_transformation"):
+        aopt.loss_scale_of(state)
+    # and a MultiSteps object given to the scaling, not its transformation, is named
+    with pytest.raises(TypeError, match=r"\.gradient_transformation\(\)"):
+        aopt.dynamic_loss_scaling(optax.MultiSteps(_clipped_adam(), every_k_schedule=4))
+
+
+def test_a_python_float_loss_decides_as_an_array_does():
+    tx = aopt.dynamic_loss_scaling(optax.sgd(1.0))
+    params = jnp.ones(2)
+    state = tx.init(params)
+    for value, skipped in (
+        (float("nan"), 1),
+        (np.float32("nan"), 1),
+        (jnp.float32(jnp.nan), 1),
+        (float("inf"), 1),
+        (1.5, 0),
+    ):
+        updates, after = tx.update(jnp.ones(2), state, params, value=value)
+        assert int(aopt.skipped_steps(after)) == skipped, value
+        assert bool(jnp.all(updates == 0)) == bool(skipped)

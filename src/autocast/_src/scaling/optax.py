@@ -10,6 +10,7 @@ skipped steps. The skipping is ``optax.apply_if_finite``'s; the scale rule is th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -127,6 +128,12 @@ def dynamic_loss_scaling(
         >>> optax.apply_updates(params, updates), autocast.optax.skipped_steps(state)
         (Array([0.8, 0.8], dtype=float32), Array(0, dtype=int32))
     """
+    if isinstance(inner, optax.MultiSteps):
+        raise TypeError(
+            "dynamic_loss_scaling wraps an optax.GradientTransformation; for gradient "
+            "accumulation pass optax.MultiSteps(...).gradient_transformation(), so that each "
+            "microbatch's gradients are unscaled and checked before they are accumulated"
+        )
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "dynamic_loss_scaling wraps an optax.GradientTransformation, got "
@@ -149,6 +156,7 @@ def dynamic_loss_scaling(
     skipping = optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
 
     def init(params: Any) -> LossScalingState:
+        _refuse_inside_accumulation()
         inner_state = skipping.init(params)
         if _states_in(inner_state):
             raise TypeError(
@@ -171,7 +179,12 @@ def dynamic_loss_scaling(
         del extra_args  # other transformations' extra arguments, passed along by optax.chain
         grads = state.loss_scale.unscale(grads)
         # the loss, where the caller gives it: a NaN loss skips the step even where the
-        # gradients are finite (a NaN from a term the parameters do not reach)
+        # gradients are finite (a NaN from a term the parameters do not reach); a Python
+        # float counts as the array it stands for
+        if value is not None:
+            value = jax.tree_util.tree_map(
+                lambda v: jnp.asarray(v) if isinstance(v, (float, complex)) else v, value
+            )
         finite = all_finite(grads) if value is None else all_finite(grads) & all_finite(value)
         grads = jax.tree_util.tree_map(
             lambda g: jnp.where(finite, g, jnp.nan) if is_inexact_dtype(g.dtype) else g, grads
@@ -200,6 +213,30 @@ def dynamic_loss_scaling(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+_ACCUMULATED = (
+    "dynamic_loss_scaling inside optax.MultiSteps: the microbatches' gradients would be "
+    "accumulated while still scaled, and one overflow would stay in the accumulator for good "
+    "(MultiSteps clears it by multiplying by zero, and inf * 0 is NaN), so every later step "
+    "would be skipped. Put the accumulation inside the scaling instead: "
+    "dynamic_loss_scaling(optax.MultiSteps(inner, k).gradient_transformation())"
+)
+
+
+def _refuse_inside_accumulation() -> None:
+    """Raises where ``init`` is called by ``optax.MultiSteps.init`` (directly, or through a
+    chain MultiSteps wraps): the order of the two cannot train (see :data:`_ACCUMULATED`)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(32):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return
+            if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
+                raise TypeError(_ACCUMULATED)
+    finally:
+        del frame
+
+
 def _with_floor(loss_scale: Any, floor: Any) -> Any:
     if isinstance(loss_scale, DynamicLossScale):
         return dataclasses.replace(loss_scale, min_loss_scale=floor)
@@ -226,7 +263,21 @@ def _states_in(state: Any) -> list[LossScalingState]:
     ]
 
 
+def _accumulating(state: Any) -> bool:
+    """Whether a LossScalingState sits inside an ``optax.MultiSteps`` state."""
+    steps = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState)
+        )
+        if isinstance(s, optax.MultiStepsState)
+    ]
+    return any(_states_in(s.inner_opt_state) for s in steps)
+
+
 def _find(state: Any) -> LossScalingState:
+    if _accumulating(state):
+        raise TypeError(_ACCUMULATED)
     found = _states_in(state)
     if len(found) != 1:
         raise ValueError(
