@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -88,6 +89,10 @@ def test_command_line_version_defaults_and_missing_extra(monkeypatch, capsys):
             "--steps must be a whole number of training steps >= 1, got -5",
         ),
         (["demo", "--out", "FILE"], "is a file; give a folder"),
+        (["demo", "--out", "FILE/sub"], "cannot be made: "),
+        (["demo", "--out", "FILE/sub/deeper"], "is a file, not a folder"),
+        (["demo", "--out", "LOCKED/sub"], "is not writable"),
+        (["demo", "--out", "/proc/autocast-demo"], "--out '/proc/autocast-demo' cannot be made"),
         (["diagnose", "--rows", "-3"], "--rows must be a number of table rows >= 1, got -3"),
     ],
 )
@@ -96,7 +101,12 @@ def test_bad_arguments_get_one_line_and_nothing_runs_or_is_written(
 ):
     existing = tmp_path / "figures.txt"
     existing.write_text("kept")
-    argv = [str(existing) if a == "FILE" else a for a in argv]
+    locked = tmp_path / "locked"
+    argv = [a.replace("FILE", str(existing)).replace("LOCKED", str(locked)) for a in argv]
+    if any(str(locked) in a for a in argv):
+        if os.geteuid() == 0:
+            pytest.skip("root may write in any folder")
+        locked.mkdir(mode=0o500)
     ran = []
     monkeypatch.setattr(demo, "run", lambda **kw: ran.append(kw))
     monkeypatch.setattr(demo, "diagnose_demo", lambda *a, **kw: ran.append(a))
@@ -107,4 +117,5 @@ def test_bad_arguments_get_one_line_and_nothing_runs_or_is_written(
         __main__.main(argv)
     message = str(exit_.value.code)
     assert says in message and "\n" not in message  # sys.exit(text): status 1, text on stderr
-    assert ran == [] and existing.read_text() == "kept" and sorted(tmp_path.iterdir()) == [existing]
+    assert ran == [] and existing.read_text() == "kept"
+    assert sorted(tmp_path.iterdir()) == sorted([existing, *([locked] if locked.exists() else [])])

@@ -41,19 +41,40 @@ def _demo_module(needs: tuple[str, ...]) -> Any:
 
 
 def _refuse(command: str, message: str) -> None:
-    """One line on stderr and exit status 2, before anything is computed or written."""
+    """One line on stderr and exit status 1, before anything is computed or written."""
     sys.exit(f"python -m autocast {command}: {message}")
+
+
+def _unusable_folder(out: str) -> str | None:
+    """Why ``out`` cannot become the demo's folder, or None: the nearest existing part of
+    the path must be a folder this process may write in (checked, not created, so that a
+    refusal writes nothing)."""
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--out {out!r} is a file; give a folder (new or existing) for the plot and figures"
+    existing = path
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        return f"--out {out!r} cannot be made: {existing!r} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out {out!r} cannot be made: {existing!r} is not writable"
+    return None
 
 
 def _demo(args: argparse.Namespace) -> None:
     if args.steps < 1:
         _refuse("demo", f"--steps must be a whole number of training steps >= 1, got {args.steps}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        _refuse(
-            "demo",
-            f"--out {args.out!r} is a file; give a folder (new or existing) for the plot "
-            "and figures",
-        )
+    unusable = _unusable_folder(args.out)
+    if unusable:
+        _refuse("demo", unusable)
+    try:  # where permissions do not tell (a read-only file system, /proc), making it does
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        _refuse("demo", f"--out {args.out!r} cannot be made: {e.strerror or e}")
     _demo_module(("optax", "matplotlib", "tqdm")).run(steps=args.steps, out=args.out)
     print(f"plot and figures written to {args.out}/")
 
