@@ -83,7 +83,7 @@ def test_recomputation_gives_the_same_bits_forward_and_backward():
 
 def test_a_relu_into_a_product_keeps_one_array_and_a_sum_of_two_is_not_recomputed():
     w1, w2, x = _mlp_args()
-    # written out (jax.nn.relu is a custom_jvp rule, which a chain does not enter)
+    # written out (jax.nn.relu, a custom_jvp, is a link too: see the convolution test)
     relu = lambda w1, w2, x: jnp.sum((jnp.maximum(x @ w1 + 0.5, 0.0) @ w2) ** 2)  # noqa: E731
     amp = autocast.amp(relu, compute_dtype=BF16)
     assert len(hidden_residuals(amp, w1, w2, x, shape=(64, 128))) == 1
@@ -321,3 +321,56 @@ def test_a_layer_norm_into_a_product_keeps_the_activation_it_normalises():
     assert [a.dtype for a in hidden_residuals(amp, w1, w2, x, shape=(64, 128))] == [BF16]
     got = jax.grad(amp, argnums=(0, 1))(w1, w2, x)
     assert _measure.relative_error(got, jax.grad(block, argnums=(0, 1))(w1, w2, x)) < 0.02
+
+
+def test_float16_attention_written_out_keeps_16_bit_scores_as_bfloat16_does():
+    # under float16 the softmax's region keeps float32 (exp may overflow float16), and the
+    # product reading it casts it down; recomputed with that product, the region keeps its
+    # 16-bit input, the scores: no float32 copy of the attention matrix is kept
+    def attention(q, k, v):
+        scores = q @ jnp.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+        return jax.nn.softmax(scores, axis=-1) @ v
+
+    q, k, v = (jax.random.normal(kk, (2, 4, 32, 16)) for kk in jax.random.split(KEY, 3))
+    kept = {}
+    for dtype in (BF16, F16):
+        amp = autocast.amp(attention, compute_dtype=dtype)
+        avals = residual_avals(amp, q, k, v)
+        assert not [a for a in avals if a.dtype == jnp.float32 and a.shape == (2, 4, 32, 32)]
+        kept[dtype] = _measure.residual_bytes(amp, q, k, v, include_inputs=False)
+    f32 = _measure.residual_bytes(attention, q, k, v, include_inputs=False)
+    assert kept[F16] == kept[BF16] <= 0.6 * f32
+
+
+def test_a_chain_read_by_two_products_agrees_to_rounding_not_to_the_bit(monkeypatch):
+    # each product recomputes the chain in its own checkpoint, so the chain's gradient is the
+    # sum of two backward passes, added where the program without recomputation does not add
+    # them: equal to the compute dtype's rounding, and as close to float32 (docs/amp.md)
+    from autocast._src.transform import recompute
+
+    def f(w1, b1, w2, w3, x):
+        h = jax.nn.gelu(x @ w1 + b1)
+        return jnp.sum((h @ w2 + h @ w3) ** 2)
+
+    k = jax.random.split(jax.random.PRNGKey(1), 5)
+    args = (
+        jax.random.normal(k[0], (32, 128)) / 6,
+        jax.random.normal(k[1], (128,)) * 0.1,
+        jax.random.normal(k[2], (128, 32)) / 11,
+        jax.random.normal(k[3], (128, 32)) / 11,
+        jax.random.normal(k[4], (64, 32)),
+    )
+
+    def grads():
+        amp = autocast.amp(lambda *a: f(*a), compute_dtype=BF16)  # a new trace each time
+        return jax.jit(jax.grad(amp, argnums=(0, 1)))(*args)
+
+    recomputed = grads()
+    with monkeypatch.context() as m:
+        m.setattr(recompute, "_worth_it", lambda *a: False)
+        written = grads()
+    reference = jax.grad(f, argnums=(0, 1))(*args)
+    for a, b, r in zip(recomputed, written, reference):
+        assert _measure.relative_error(a, b) < 0.01
+        err_a, err_b = _measure.relative_error(a, r), _measure.relative_error(b, r)
+        assert err_a < 0.02 and err_a < 1.25 * err_b
