@@ -34,13 +34,22 @@ TRANSFORMS = (
     "scan",
     "checkpoint",
     "cond",
-    "while",
+    "fori_loop",
+    "while_loop",
 )
 # Transformations over several devices: their cells run in a child process with 4 CPU devices.
 DEVICE_TRANSFORMS = ("shard_map", "sharded jit")
 DEVICES = 4
 FRAMEWORKS = ("JAX", "Flax Linen", "Flax NNX", "Equinox", "Haiku")
 TOOLS = ("report", "diagnose")
+# A lax.while_loop differentiated forward: the value and a jvp against float32's.
+FORWARD = ("while_loop value", "while_loop jvp")
+# The train step's extras, with each loss scaling face: clipping by global norm, and
+# accumulating two microbatches' gradients with optax.MultiSteps (inside the scaling; the
+# optax face also with the scaling inside MultiSteps, which is refused).
+EXTRAS = ("clip", "accumulate", "accumulate, scaling inside")
+EXTRA_COMPUTE = ("bf16", "f16")
+CLIP = 0.05
 
 # Relative error of one step's parameters and loss against float32's, per compute dtype.
 TOLERANCE = {"bf16": 2e-2, "f16": 5e-3, "fp8": 0.15, "fp8 delayed": 0.15}
@@ -64,7 +73,17 @@ _TOOL_ON_DELAYED = Refused(TypeError, "called inside another amp")
 REFUSED: dict[tuple[str, ...], Refused] = {
     ("fp8 delayed", "report"): _TOOL_ON_DELAYED,
     ("fp8 delayed", "diagnose"): _TOOL_ON_DELAYED,
+    # JAX's own refusal, which amp passes on unchanged: a while_loop's trip count is a value
+    ("while_loop",): Refused(ValueError, "Reverse-mode differentiation does not work"),
+    # float8 products are custom_vjp functions, which JAX differentiates in reverse mode only
+    ("fp8", "while_loop jvp"): Refused(TypeError, "forward-mode autodiff"),
+    ("fp8 delayed", "while_loop jvp"): Refused(TypeError, "forward-mode autodiff"),
+    ("optax face", "accumulate, scaling inside"): Refused(
+        TypeError, "MultiSteps(inner, k).gradient_transformation()"
+    ),
 }
+# Cells that do not exist: the other faces have no wrapper to put inside MultiSteps.
+ABSENT = {("accumulate, scaling inside", s) for s in ("none", "jaxamp face", "jmp objects")}
 
 
 def expected(cell: tuple[str, ...]) -> Refused | None:
@@ -85,6 +104,12 @@ def cells() -> list[tuple[str, ...]]:
     ]
     out += [(f, c, _usual(c), "jit") for f, c in itertools.product(FRAMEWORKS[1:], COMPUTE)]
     out += [("JAX", c, "none", tool) for c, tool in itertools.product(COMPUTE, TOOLS)]
+    out += [("JAX", c, "none", mode) for c, mode in itertools.product(COMPUTE, FORWARD)]
+    out += [
+        ("JAX", c, s, e)
+        for c, s, e in itertools.product(EXTRA_COMPUTE, SCALING, EXTRAS)
+        if (e, s) not in ABSENT
+    ]
     return out
 
 
@@ -115,8 +140,12 @@ def _layers(x: Any, ws: Any, transform: str) -> Any:
         return jax.lax.cond(
             jnp.sum(x) > -1e30, lambda h: layer(layer(h, ws[0]), ws[1]), lambda h: h, x
         )
-    if transform == "while":
+    if transform == "fori_loop":  # static bounds: JAX lowers it to a scan
         return jax.lax.fori_loop(0, ws.shape[0], lambda i, h: layer(h, ws[i]), x)
+    if transform == "while_loop":  # the trip count a value: a loop of its own
+        n = ws.shape[0]
+        body = lambda c: (c[0] + 1, layer(c[1], ws[jnp.minimum(c[0], n - 1)]))  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), x))[1]
     for w in ws:
         x = layer(x, w)
     return x
@@ -304,6 +333,10 @@ def run_cell(cell: tuple[str, ...]) -> dict:
         dtype = "fp8" if compute == "fp8 delayed" else _DTYPES[compute]
         result = tool(fn, compute_dtype=dtype)(params, x, y)
         return {"text": str(result)}
+    if what in FORWARD:
+        return _forward_cell(compute, what)
+    if what in EXTRAS:
+        return _extra_cell(compute, scaling, what)
     if framework == "JAX":
         loss, params = jax_model("jit" if what in DEVICE_TRANSFORMS else what)
     else:
@@ -337,11 +370,108 @@ def run_cell(cell: tuple[str, ...]) -> dict:
     }
 
 
+def _forward_cell(compute: str, mode: str) -> dict:
+    """The loss through a while_loop, or its jvp along the parameters, against float32's."""
+    loss, params = jax_model("while_loop")
+    x, y = _data()
+    tangent = jax.tree_util.tree_map(lambda p: p / 10, params)
+    fn = _under_compute(loss, compute)
+    history = fn.init(params, x, y) if compute == "fp8 delayed" else None
+    run = (lambda p: fn(history, p, x, y)) if history is not None else (lambda p: fn(p, x, y))
+    if mode == "while_loop value":
+        got, want = jax.jit(run)(params), loss(params, x, y)
+    else:
+        got = jax.jit(lambda p, t: jax.jvp(run, (p,), (t,))[1])(params, tangent)
+        want = jax.jvp(lambda p: loss(p, x, y), (params,), (tangent,))[1]
+    error = abs(float(got) - float(want)) / abs(float(want))
+    return {"param_error": 0.0, "loss_error": error, "scale": 1.0, "skipped": 0}
+
+
+def _extra_cell(compute: str, scaling: str, extra: str) -> dict:
+    """One update with clipping, or two microbatches accumulated into one update, under the
+    scaling face; against the same in float32 with optax."""
+    import optax
+
+    import autocast.optax as ao
+
+    loss, params = jax_model("jit")
+    x, y = _data()
+    batches = [(x, y)] if extra == "clip" else [(x[:8], y[:8]), (x[8:], y[8:])]
+
+    def optimizer() -> Any:
+        if extra == "clip":
+            return optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(LR))
+        return optax.MultiSteps(optax.sgd(LR), every_k_schedule=2).gradient_transformation()
+
+    want = params
+    tx = optimizer()
+    state = tx.init(params)
+    for xb, yb in batches:
+        updates, state = tx.update(jax.grad(loss)(want, xb, yb), state, want)
+        want = optax.apply_updates(want, updates)
+    grad_norm = optax.global_norm(jax.grad(loss)(params, x, y))
+    amp_loss = _under_compute(loss, compute)
+    if scaling == "optax face":
+        if extra == "accumulate, scaling inside":
+            optax.MultiSteps(ao.dynamic_loss_scaling(optax.sgd(LR)), every_k_schedule=2).init(
+                params
+            )
+        tx = ao.dynamic_loss_scaling(optimizer(), autocast.DynamicLossScale(jnp.float32(SCALE)))
+    else:
+        tx = optimizer()
+    opt_state, got = tx.init(params), params
+    scaler = autocast.DynamicScalerState(scaler=jnp.float32(SCALE))
+    scale = autocast.DynamicLossScale(jnp.float32(SCALE)) if scaling != "none" else None
+    skipped = 0
+    for xb, yb in batches:
+        if scaling == "optax face":
+            s = ao.loss_scale_of(opt_state)
+            g = jax.grad(lambda p: s.scale(amp_loss(p, xb, yb)))(got)
+            updates, opt_state = tx.update(g, opt_state, got)
+            got = optax.apply_updates(got, updates)
+            continue
+        if scaling == "none":
+            g = jax.grad(amp_loss)(got, xb, yb)
+        elif scaling == "jaxamp face":
+            scaler, g = autocast.dynamic_scale_grad(amp_loss)(
+                got, xb, yb, dynamic_scaler_state=scaler
+            )
+        else:
+            g = scale.unscale(jax.grad(lambda p: scale.scale(amp_loss(p, xb, yb)))(got))
+            scale = scale.adjust(autocast.all_finite(g))
+        finite = autocast.all_finite(g)
+        skipped += int(~finite)
+        updates, new_state = tx.update(g, opt_state, got)
+        got, opt_state = autocast.select_tree(
+            finite, (optax.apply_updates(got, updates), new_state), (got, opt_state)
+        )
+    if scaling == "optax face":
+        final_scale, skipped = ao.loss_scale_of(opt_state).loss_scale, ao.skipped_steps(opt_state)
+    elif scaling == "jaxamp face":
+        final_scale = scaler.scaler
+    else:
+        final_scale = 1.0 if scale is None else scale.loss_scale
+    flat = lambda t: jnp.concatenate([jnp.ravel(a) for a in jax.tree_util.tree_leaves(t)])  # noqa: E731
+    step = jnp.linalg.norm(flat(want) - flat(params))
+    return {
+        "param_error": float(jnp.linalg.norm(flat(got) - flat(want)) / step),
+        "loss_error": 0.0,
+        "scale": float(final_scale),
+        "skipped": int(skipped),
+        # clipping must have clipped: the float32 gradient is longer than the clip
+        "clipped": extra != "clip" or float(grad_norm) > 2 * CLIP,
+    }
+
+
 def check(cell: tuple[str, ...], figures: dict) -> list[str]:
     """What is wrong with a cell's figures (empty: right)."""
     _, compute, scaling, what = cell
     if what in TOOLS:
         return [] if figures["text"] else ["the tool printed nothing"]
+    if what in FORWARD:
+        scaling = "none"
+    if not figures.get("clipped", True):
+        return ["the gradient was not clipped: the cell checks nothing"]
     tol = TOLERANCE[compute]
     problems = []
     if not figures["param_error"] <= tol:
@@ -352,7 +482,7 @@ def check(cell: tuple[str, ...], figures: dict) -> list[str]:
         problems.append(f"scale {figures['scale']} moved")
     if figures["skipped"]:
         problems.append("a step was skipped")
-    if not figures["history_finite"]:
+    if not figures.get("history_finite", True):
         problems.append("the float8 history is not finite")
     return problems
 
@@ -369,6 +499,11 @@ def markdown() -> str:
         + "), the",
         "loss scale is kept and nothing is skipped. Refused: the error the call raises.",
         "",
+        "Where the ✓s come from: CPU runs. CI runs this table with JAX 0.6.2 (Python 3.10),",
+        "0.10.2 (3.11) and 0.12.0.1 (3.13) on a 2-core x86-64 machine without a GPU; it has not",
+        "been run on a GPU or TPU, where float8 products run on their own kernels",
+        "([fp8.md](fp8.md#hardware)).",
+        "",
         "## Compute x loss scaling x transformation (plain JAX)",
         "",
         f"`shard_map` and `sharded jit` run on {DEVICES} CPU devices, the batch split over them:",
@@ -379,6 +514,40 @@ def markdown() -> str:
     ]
     for c, s in itertools.product(COMPUTE, SCALING):
         marks = [_mark(("JAX", c, s, t)) for t in TRANSFORMS + DEVICE_TRANSFORMS]
+        lines.append(f"| {c} | {s} | " + " | ".join(marks) + " |")
+    lines += [
+        "",
+        "`fori_loop` has static bounds, which JAX lowers to a `scan`; `while_loop` is a",
+        "`lax.while_loop` whose trip count is a value. JAX itself refuses to differentiate",
+        'the latter in reverse mode, with or without amp: "Reverse-mode differentiation does',
+        "not work for lax.while_loop or lax.fori_loop with dynamic start/stop values. Try using",
+        'lax.scan, or using fori_loop with static start/stop." Forward, and in forward mode',
+        "(`jax.jvp`), it runs; float8 products are `custom_vjp` functions, which JAX",
+        "differentiates in reverse mode only (\"can't apply forward-mode autodiff (jvp) to a",
+        'custom_vjp function"), so with float8 a `jax.jvp` is refused wherever it meets one:',
+        "",
+        "| compute | " + " | ".join(FORWARD) + " |",
+        "|---|" + "---|" * len(FORWARD),
+    ]
+    for c in COMPUTE:
+        lines.append(f"| {c} | " + " | ".join(_mark(("JAX", c, "none", m)) for m in FORWARD) + " |")
+    lines += [
+        "",
+        "## Clipping and gradient accumulation x loss scaling",
+        "",
+        f"One update with `optax.clip_by_global_norm({CLIP})` (the gradient is longer, so it",
+        "clips), or two microbatches accumulated into one update by `optax.MultiSteps`,",
+        "against the same in float32. `accumulate`: MultiSteps inside the scaling (for the",
+        "optax face `dynamic_loss_scaling(optax.MultiSteps(...).gradient_transformation())`;",
+        "for the others, MultiSteps as the optimizer of the documented train step). `accumulate,",
+        "scaling inside`: `optax.MultiSteps(dynamic_loss_scaling(...))`, which is refused",
+        "([loss_scaling.md](loss_scaling.md#clipping-and-gradient-accumulation)).",
+        "",
+        "| compute | scaling | " + " | ".join(EXTRAS) + " |",
+        "|---|---|" + "---|" * len(EXTRAS),
+    ]
+    for c, s in itertools.product(EXTRA_COMPUTE, SCALING):
+        marks = ["-" if (e, s) in ABSENT else _mark(("JAX", c, s, e)) for e in EXTRAS]
         lines.append(f"| {c} | {s} | " + " | ".join(marks) + " |")
     lines += ["", "## Compute x framework (jit; float16 with the jaxamp face)", ""]
     lines += [
