@@ -52,7 +52,9 @@ def test_typed_prng_key_in_a_loop_carry():
 
         return jax.lax.scan(body, (jax.random.key(1), h), None, length=3)[0][1]
 
-    np.testing.assert_array_equal(bf16_amp(fn)(jnp.ones(2)), fn(jnp.ones(2)))
+    # the key passes through; the float32 arithmetic on its draws is compiled under amp and
+    # eager here, so equal to float32's rounding
+    np.testing.assert_allclose(bf16_amp(fn)(jnp.ones(2)), fn(jnp.ones(2)), rtol=1e-6)
 
 
 def test_static_arguments_are_told_apart_by_type_and_sign():

@@ -431,7 +431,9 @@ def test_random_numbers_are_untouched():
 
     key = jax.random.PRNGKey(3)
     got, want = bf16_amp(fn)(key, X), fn(key, X)
-    np.testing.assert_array_equal(got[0], want[0])
+    # the bits are drawn alike; the normal's float32 transformation of them is compiled under
+    # amp and eager here, so equal to float32's rounding
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got[1], want[1])
 
 
