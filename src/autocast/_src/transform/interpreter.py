@@ -939,7 +939,7 @@ def _eval_jaxpr(
             if any(isinstance(x, recompute.Link) for x in invals):
                 with _compat.equation_context(eqn):
                     out = recompute.into_product(
-                        eqn, invals, lambda xs, e=eqn, k=kinds: bind(e, xs, k)
+                        eqn, invals, lambda xs, e=eqn, k=kinds: bind(e, xs, k), kinds
                     )
                 env[eqn.outvars[0]], kind_of[eqn.outvars[0]] = out, kind
                 continue

@@ -121,9 +121,11 @@ class RegionLink(Link):
     is kept as the activation it was computed from, which its region keeps anyway; evaluated
     alone, it is the region as amp emits it (:meth:`regions.Wide.materialize`)."""
 
-    __slots__ = ("wide",)
+    __slots__ = ("wide", "structure")
 
-    def __init__(self, wide: Any, dtype: Any, body: Callable, leaves: Sequence[Any]) -> None:
+    def __init__(
+        self, wide: Any, dtype: Any, body: Callable, leaves: Sequence[Any], structure: Any
+    ) -> None:
         super().__init__(
             wide.eqn,
             leaves,
@@ -133,6 +135,7 @@ class RegionLink(Link):
             prevent_cse=not wide.ctx.in_loop,
         )
         self.wide = wide
+        self.structure = structure  # the region's, for traces shared by structure
 
     def emitted(self) -> Any:
         return self.wide.materialize(self.dtype)
@@ -245,11 +248,62 @@ def _worth_it(order: Sequence[Link], leaves: Sequence[Any], read_by_consumer: in
     return kept < written
 
 
+class _Unkeyable(Exception):
+    """A chain with something in it that cannot be described by value."""
+
+
+def _structure(order: Sequence[Link], leaves: Sequence[Any], finish: Callable) -> Any:
+    """A hashable description of a chain's checkpoint: its links (equation, context, how they
+    connect, their kinds and dtypes; a region link's region), its constants, its inputs'
+    types, and what ``finish`` makes of it (``finish(ref)`` describes it with ``ref``, which
+    describes one value). The blocks of a model repeat theirs, so a checkpoint is traced once
+    per structure, as wide regions are. None where something cannot be hashed."""
+    index = {id(n): i for i, n in enumerate(order)}
+    position = {id(x): i for i, x in enumerate(leaves)}
+
+    def ref(a: Any) -> tuple:
+        if isinstance(a, Link):
+            return ("n", index[id(a)])
+        if _is_deferred(a):
+            return ("d", regions.equation_key(a.eqn), ref(a.operand))
+        hit = position.get(id(a))
+        if hit is not None:
+            return ("l", hit)
+        if _is_constant(a):
+            value = np.asarray(a)
+            return ("c", value.dtype.str, value.shape, value.tobytes())
+        raise _Unkeyable
+
+    try:
+        rows = []
+        for n in order:
+            if isinstance(n, RegionLink):
+                if n.structure is None:
+                    return None
+                head: Any = ("region", n.structure)
+            else:
+                head = regions.equation_key(n.eqn)
+            rows.append((head, tuple(ref(a) for a in n.args), n.kinds, n.dtype.str))
+        avals = tuple(_compat.aval_of(x) for x in leaves)
+        if not all(_compat.retraceable(a) for a in avals):
+            return None
+        key = ("chain", tuple(rows), avals, finish(ref))
+        hash(key)
+    except (_Unkeyable, TypeError):
+        return None
+    return key
+
+
 def _checkpointed(
-    order: Sequence[Link], leaves: Sequence[Any], finish: Callable[[Callable], Any]
+    order: Sequence[Link],
+    leaves: Sequence[Any],
+    finish: Callable[[Callable], Any],
+    finish_key: Callable[[Callable], Any] | None = None,
 ) -> Any:
     """``finish(value_of)`` traced inside a checkpoint that recomputes the chain ``order``
-    from ``leaves``; ``value_of(x)`` is the value of a link or other input there."""
+    from ``leaves``; ``value_of(x)`` is the value of a link or other input there.
+    ``finish_key(ref)`` describes ``finish`` for sharing the trace (:func:`_structure`); None
+    traces it on its own."""
     position = {id(x): i for i, x in enumerate(leaves)}
 
     def region(*values: Any) -> Any:
@@ -274,7 +328,14 @@ def _checkpointed(
     # outside a loop body, XLA would merge the backward's recomputation with the forward
     # pass and keep what the chain was written to spare
     prevent_cse = PREVENT_CSE_OUTSIDE_LOOPS and any(n.prevent_cse for n in order)
-    return jax.checkpoint(region, prevent_cse=prevent_cse, policy=recompute_all)(*leaves)
+    cache = regions.trace_cache()
+    key = None if cache is None or finish_key is None else _structure(order, leaves, finish_key)
+    if key is None:
+        return jax.checkpoint(region, prevent_cse=prevent_cse, policy=recompute_all)(*leaves)
+    traced = cache.get(key)
+    if traced is None:
+        traced = cache[key] = _compat.trace_open(region, leaves)
+    return _compat.bind_checkpoint(*traced, leaves, policy=recompute_all, prevent_cse=prevent_cse)
 
 
 def _checked(node: Link, value: Any) -> Any:
@@ -316,16 +377,20 @@ def settle(x: Any) -> Any:
             return x._plain
         order, leaves = _walk([x])
         if _worth_it(order, leaves, 0):
-            x._alone = _checkpointed(order, leaves, lambda value_of: value_of(x))
+            x._alone = _checkpointed(
+                order, leaves, lambda value_of: value_of(x), lambda ref: ("alone", ref(x))
+            )
         else:
             return _plain(x)
     return x._alone
 
 
-def into_product(eqn: Any, invals: Sequence[Any], bind: Callable[[Sequence[Any]], Any]) -> Any:
-    """The matrix product ``eqn`` of ``invals`` (some of them links), bound by ``bind``
-    together with the chains feeding it in one checkpoint where that keeps fewer bytes;
-    else with its chains settled."""
+def into_product(
+    eqn: Any, invals: Sequence[Any], bind: Callable[[Sequence[Any]], Any], kinds: Sequence[int]
+) -> Any:
+    """The matrix product ``eqn`` of ``invals`` (some of them links, their kinds ``kinds``),
+    bound by ``bind`` together with the chains feeding it in one checkpoint where that keeps
+    fewer bytes; else with its chains settled."""
     roots = [x for x in invals if isinstance(x, Link)]
     order, leaves = _walk(roots)
     if any(r._plain is not None for r in roots) or not _worth_it(
@@ -339,4 +404,9 @@ def into_product(eqn: Any, invals: Sequence[Any], bind: Callable[[Sequence[Any]]
         if not isinstance(x, Link) and not _is_constant(x) and id(x) not in known:
             known.add(id(x))
             leaves.append(x)
-    return _checkpointed(order, leaves, lambda value_of: bind([value_of(x) for x in invals]))
+    return _checkpointed(
+        order,
+        leaves,
+        lambda value_of: bind([value_of(x) for x in invals]),
+        lambda ref: ("product", regions.equation_key(eqn), tuple(map(ref, invals)), tuple(kinds)),
+    )

@@ -341,18 +341,27 @@ def _body(
     return region
 
 
-def recomputable(root: Wide, dtype: Any = None) -> tuple[Callable[..., Any], list[Any]] | None:
+def recomputable(root: Wide, dtype: Any = None) -> tuple[Callable[..., Any], list[Any], Any] | None:
     """The region computing the activation ``root`` (stored in ``dtype``, default its narrow
-    one) as a function of its inputs, and the inputs, for a checkpoint of a consumer's to
-    recompute (:mod:`autocast._src.transform.recompute`); None for a statistic, and for a
-    region emitted as plain arithmetic (one that only sums its large inputs)."""
+    one) as a function of its inputs, the inputs, and a hashable description of the region
+    (None where it has none), for a checkpoint of a consumer's to recompute
+    (:mod:`autocast._src.transform.recompute`); None for a statistic, and for a region
+    emitted as plain arithmetic (one that only sums its large inputs)."""
     if not root.full:
         return None
     dtype = np.dtype(root.narrow_dtype if dtype is None else dtype)
     leaves, resolved = _inputs(root)
     if _only_summed(root, resolved):
         return None
-    return _body(root, dtype, leaves, resolved), leaves
+    position = {id(x): i for i, x in enumerate(leaves)}
+    key = _structure(root, position, resolved, leaves, dtype)
+    return _body(root, dtype, leaves, resolved), leaves, key
+
+
+def trace_cache() -> dict | None:
+    """The traces of the program being evaluated, by structure (None outside an evaluation):
+    recomputed chains share it with the regions."""
+    return _traced_regions[-1] if _traced_regions else None
 
 
 def _emit(root: Wide, dtype: np.dtype) -> Any:
@@ -391,7 +400,7 @@ class traced_regions:
         _traced_regions.pop()
 
 
-def _equation_key(eqn: Any) -> tuple:
+def equation_key(eqn: Any) -> tuple:
     """What an equation of a region binds with: primitive, parameters, and the context the
     traced copy carries on (name stack, source lines, XLA metadata, compute placement), so
     a reused region reports the blocks it stands for, not the first one's."""
@@ -433,7 +442,7 @@ def _structure(
                 )
             else:
                 refs.append(("l", position[id(arg)]))
-        rows.append((*_equation_key(node.eqn), tuple(refs)))
+        rows.append((*equation_key(node.eqn), tuple(refs)))
         order[id(node)] = index = len(order)
         return index
 
