@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,21 @@ def test_no_import_circles():
     for m in graph:
         visit(m)
     assert "autocast._src.transform.handlers" not in graph["autocast._src.transform.interpreter"]
+
+
+def test_a_missing_optional_extra_is_named_on_import():
+    # autocast itself needs only JAX; autocast.optax names the extra that brings optax
+    code = (
+        "import sys; sys.modules['optax'] = None\n"
+        "import autocast\n"
+        "try:\n"
+        "    import autocast.optax\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "optax | autocast.optax needs optax, which the optax extra brings: "
+        "pip install 'jax-autocast[optax]'"
+    )

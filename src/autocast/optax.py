@@ -5,7 +5,16 @@
 adjusts the scale. ``loss_scale_of`` reads the current scale, ``skipped_steps`` counts.
 """
 
-from autocast._src.scaling.optax import (
+try:
+    import optax  # noqa: F401
+except ImportError as e:
+    raise ModuleNotFoundError(
+        "autocast.optax needs optax, which the optax extra brings: "
+        "pip install 'jax-autocast[optax]'",
+        name="optax",
+    ) from e
+
+from autocast._src.scaling.optax import (  # noqa: E402
     LossScalingState,
     dynamic_loss_scaling,
     loss_scale_of,
