@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,16 @@ def test_a_missing_optional_extra_is_named_on_import():
         "optax | autocast.optax needs optax, which the optax extra brings: "
         "pip install 'jax-autocast[optax]'"
     )
+
+
+def test_the_code_explains_itself_without_issue_numbers():
+    # a comment or test that points at the tracker says nothing to a reader without it
+    root = Path(__file__).parents[1]
+    pattern = re.compile(r"\b[Ii]ssue\s*#?\d+|\bitem \d+\b")
+    found = []
+    for folder in ("src", "tests", "benchmarks", "examples"):
+        for path in (root / folder).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line) and "pattern = re.compile" not in line:
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert found == []

@@ -145,7 +145,7 @@ def test_a_reshape_into_a_product_keeps_the_array_it_reshapes():
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_a_product_of_two_activations_for_a_sum_runs_in_float32(dtype):
-    # issue 28, item 3: 320 * 480 overflows float16
+    # a dot product for a cosine similarity: 320 * 480 overflows float16
     x, w = jnp.full((2, 8), 20.0), jnp.full((8, 4), 2.0)
 
     def cosine(x, w):

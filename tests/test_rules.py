@@ -217,7 +217,7 @@ def test_table_has_one_row_per_primitive_and_a_reason_for_each():
         autocast.use_original_precision,
         autocast.use_widest_precision,
         autocast.use_input_precision,
-        rules.use_float32_precision,
+        autocast.use_full_precision,
         rules.use_precision_by_exponent,
         rules.use_input_precision_for_casts,
         autocast.use_own_precision,
@@ -232,7 +232,7 @@ def test_default_policy_is_the_table_plus_special_scopes():
     for scope in ("amp_stop", "amp_step", "amp_default"):
         assert policy[scope] is autocast.use_original_precision
     assert policy[lax.dot_general_p] is autocast.use_compute_precision
-    assert policy[lax.exp_p] is rules.use_float32_precision
+    assert policy[lax.exp_p] is autocast.use_full_precision
     assert policy[lax.add_p] is autocast.use_input_precision
     assert policy[lax.concatenate_p] is autocast.use_widest_precision
     present = {k.name for k in policy if not isinstance(k, str)}

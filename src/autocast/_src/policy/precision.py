@@ -369,9 +369,6 @@ def is_compute_rule(rule: Any) -> bool:
     return rule is use_compute_precision or rule in CUSTOM_BINDINGS
 
 
-# The float32 rows of the table: float32 for a float32 program, never narrower than the program.
-use_float32_precision = use_full_precision
-
 # Exponents whose powers stay in the input dtype: the identity and cubes (the tanh-GELU's
 # ``x ** 3`` runs on the widest activations of a transformer). Squares go to float32 with
 # ``square`` (see its row), higher powers because they overflow float16, negative ones as
@@ -396,7 +393,7 @@ def use_precision_by_exponent(
     if bind_params.get("y") in INPUT_PRECISION_EXPONENTS:
         rule = use_input_precision
     else:
-        rule = use_float32_precision
+        rule = use_full_precision
     return rule(compute_dtype, original_dtypes, *invars, **bind_params)
 
 
