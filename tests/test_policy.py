@@ -299,3 +299,24 @@ def test_policy_rejects_non_floating_dtypes(args, match):
 def test_cast_tree_rejects_non_floating_target():
     with pytest.raises(TypeError, match="must be a floating-point dtype.*got int8"):
         autocast.cast_tree(jnp.int8, {"w": jnp.ones(2)})
+
+
+@pytest.mark.parametrize(
+    ("name", "want"),
+    [
+        ("mixed_bfloat16", "p=f32,c=bf16,o=bf16"),
+        ("mixed_float16", "p=f32,c=f16,o=f16"),
+        (" MIXED_BFLOAT16 ", "p=f32,c=bf16,o=bf16"),
+        ("float32", "p=f32,c=f32,o=f32"),
+        ("bfloat16", "p=bf16,c=bf16,o=bf16"),
+        ("float16", "p=f16,c=f16,o=f16"),
+    ],
+)
+def test_keras_policy_names_mean_what_they_mean_in_keras(name, want):
+    # Keras: mixed_* keeps variables in float32 and computes (and returns) in 16 bits
+    assert str(autocast.get_policy(name)) == want
+
+
+def test_an_unknown_keras_style_name_lists_what_is_accepted():
+    with pytest.raises(ValueError, match="mixed_bfloat16 or mixed_float16"):
+        autocast.get_policy("mixed_int8")

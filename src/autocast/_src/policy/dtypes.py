@@ -349,11 +349,22 @@ class Policy:
         )
 
 
+# Keras' mixed policy names, with Keras' meaning: variables in float32, computation (and so
+# each layer's output) in the 16-bit dtype. Its plain names ("float32", "bfloat16",
+# "float16") are dtype names, which set all three dtypes, as in Keras.
+KERAS_POLICIES = {
+    "mixed_bfloat16": (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)),
+    "mixed_float16": (np.dtype(jnp.float32), np.dtype(jnp.float16)),
+}
+
+
 def get_policy(policy_name: str | Policy) -> Policy:
-    """Reads a policy from its short string form, ``jmp``'s loose grammar.
+    """Reads a policy from its short string form, ``jmp``'s loose grammar or Keras' names.
 
     Either one dtype name, which sets all three dtypes (``"bfloat16"`` means
-    ``p=bf16,c=bf16,o=bf16``), or comma-separated ``key=value`` pairs. Keys: ``p``/``params``,
+    ``p=bf16,c=bf16,o=bf16``), one of Keras' mixed policies (``"mixed_bfloat16"`` means
+    ``p=f32,c=bf16,o=bf16``: float32 variables, 16-bit computation and layer outputs;
+    ``"mixed_float16"`` likewise), or comma-separated ``key=value`` pairs. Keys: ``p``/``params``,
     ``c``/``compute``, ``o``/``output``. Values: any name :func:`parse_dtype` accepts
     (``half`` is :func:`half_dtype`). Unnamed fields default as in ``jmp``: params to float32,
     compute to the params dtype, output to the compute dtype. Case and whitespace are ignored.
@@ -377,6 +388,8 @@ def get_policy(policy_name: str | Policy) -> Policy:
         'p=f32,c=bf16,o=f32'
         >>> str(autocast.get_policy("bfloat16"))
         'p=bf16,c=bf16,o=bf16'
+        >>> str(autocast.get_policy("mixed_bfloat16"))
+        'p=f32,c=bf16,o=bf16'
     """
     if isinstance(policy_name, Policy):
         return policy_name
@@ -389,13 +402,18 @@ def get_policy(policy_name: str | Policy) -> Policy:
         raise ValueError("empty policy string; expected pairs such as 'p=f32,c=bf16,o=f32'")
     accepted_keys = ", ".join(_POLICY_KEYS)
     bare = policy_name.strip()
+    keras = KERAS_POLICIES.get(bare.lower())
+    if keras is not None:
+        variables, compute = keras
+        return Policy(variables, compute, compute)
     if "=" not in bare and "," not in bare and bare.lower() not in _POLICY_KEYS:
         try:
             dtype = parse_dtype(bare)
         except ValueError as e:
             raise ValueError(
-                f"{e}. A policy is one dtype name (for all three dtypes) or key=dtype pairs "
-                f"such as 'p=f32,c=bf16,o=f32' with keys among {accepted_keys}"
+                f"{e}. A policy is one dtype name (for all three dtypes), one of Keras' "
+                f"{' or '.join(KERAS_POLICIES)}, or key=dtype pairs such as "
+                f"'p=f32,c=bf16,o=f32' with keys among {accepted_keys}"
             ) from None
         return Policy(dtype, dtype, dtype)
     chosen: dict[str, np.dtype] = {}
