@@ -28,7 +28,7 @@ PLAN_ARGS ?=
 # What the scripts test-newest runs read, wherever they were given (command line or environment).
 export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
 
-.PHONY: test test-fast test-oldest test-newest newest-suite demo bench gpu-plan clean
+.PHONY: test test-fast test-oldest test-newest newest-suite demo bench gpu-plan docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,11 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
+
+# The pages made from the code: docs/api.md, the table of docs/default_policy.md and
+# docs/support_matrix.md (tests check each against the code).
+docs: $(VENV)/.installed
+	$(VENV)/bin/python tests/docs_pages.py
 
 gpu-plan: $(GPU_PLAN_VENV)/.installed
 	$(GPU_PLAN_VENV)/bin/python benchmarks/gpu_plan.py $(PLAN_ARGS)

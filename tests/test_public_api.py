@@ -130,3 +130,16 @@ def test_the_code_explains_itself_without_issue_numbers():
                 if pattern.search(line) and "pattern = re.compile" not in line:
                     found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert found == []
+
+
+def test_every_public_name_is_on_the_api_page():
+    import docs_pages
+
+    import autocast.optax as ao
+
+    page = (Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    assert page == docs_pages.api_markdown(), "docs/api.md is out of date: make docs"
+    for name in autocast.__all__:
+        assert f"| `autocast.{name}` |" in page, name
+    for name in ao.__all__:
+        assert f"| `autocast.optax.{name}` |" in page, name
