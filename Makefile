@@ -79,8 +79,15 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# The edit-test loop: everything but the tests marked slow (CI runs them all, with make test).
+# The edit-test loop: ruff on the Python files changed since the last commit, then everything
+# but the tests marked slow (CI runs them all, with ruff over the tree, in make test).
 test-fast: $(VENV)/.installed
+	@changed="$$( { git diff --name-only --diff-filter=d HEAD -- '*.py'; \
+		git ls-files --others --exclude-standard -- '*.py'; } 2>/dev/null | sort -u)"; \
+	if [ -n "$$changed" ]; then \
+		echo "ruff on $$(echo $$changed | wc -w) changed file(s)"; \
+		$(VENV)/bin/ruff check $$changed && $(VENV)/bin/ruff format --check $$changed; \
+	fi
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 test-oldest: $(OLDEST_VENV)/.installed
