@@ -56,6 +56,10 @@ def closure_custom_jvp(x: Any, w: Any) -> Any:
     return jnp.sum(layer(x) ** 2)
 
 
+# The Levenberg-Marquardt fit's data parameters.
+LM_W = jnp.array([0.9, -0.4, 0.3, 0.6])
+
+
 def cases() -> list[tuple[str, Callable[..., Any], tuple]]:
     import diffrax
     import lineax as lx
@@ -93,6 +97,34 @@ def cases() -> list[tuple[str, Callable[..., Any], tuple]]:
         )
         return jnp.sum(sol.value**2)
 
+    def fit(tight: bool, stopped: bool) -> Callable[..., Any]:
+        """A Levenberg-Marquardt fit of a one-layer model, y = tanh(features @ p), to data made
+        from ``w``; the loss reads the fitted parameters. ``stopped``: the solve inside
+        ``amp_stop()``."""
+        features = jax.random.normal(KEYS[3], (32, 4))
+
+        def loss(w: Any) -> Any:
+            data = jnp.tanh(features @ w) + 0.05 * jnp.sin(7 * features[:, 0])
+
+            def solve() -> Any:
+                return optx.least_squares(
+                    lambda p, d: jnp.tanh(features @ p) - d,
+                    optx.LevenbergMarquardt(rtol=1e-6 if tight else 1e-2, atol=1e-6),
+                    jnp.zeros(4),
+                    args=data,
+                    max_steps=64,
+                    throw=False,
+                ).value
+
+            if stopped:
+                with autocast.amp_stop():
+                    p = solve()
+            else:
+                p = solve()
+            return jnp.sum(p**2)
+
+        return loss
+
     def solve(w: Any, b: Any) -> Any:
         op = lx.FunctionLinearOperator(
             lambda v: w @ v + 4 * v, jax.ShapeDtypeStruct((2,), jnp.float32)
@@ -128,6 +160,9 @@ def cases() -> list[tuple[str, Callable[..., Any], tuple]]:
         ),
         ("diffrax neural ODE, BacksolveAdjoint", ode(diffrax.BacksolveAdjoint()), (mlp,)),
         ("optimistix Newton root find (tol 1e-2)", root, (a,)),
+        ("optimistix Levenberg-Marquardt (rtol 1e-2)", fit(False, False), (LM_W,)),
+        ("optimistix Levenberg-Marquardt (rtol 1e-6)", fit(True, False), (LM_W,)),
+        ("  the same, the solve inside amp_stop()", fit(True, True), (LM_W,)),
         ("lineax solve, function operator", solve, (a, jnp.ones(2))),
         (
             "Pallas kernel (interpret) between two matmuls",
