@@ -2,7 +2,7 @@
 # Runs a command in this repository inside a Debian 13 (trixie) root, whose python3 is 3.13,
 # for machines without a Python >= 3.12 (the package registry serves JAX 0.11 and later only
 # for those). The root is built once by debootstrap from the Debian mirror apt already uses
-# (about 2 minutes, 820 MB) under .newest-root/, and reused. The repository is bind-mounted
+# (about 2 minutes, 650 MB measured by du) under .newest-root/, and reused. The repository is bind-mounted
 # at its own path inside, so a venv made inside works on every later run; /proc, /dev and
 # /sys are bound for the time of the command. Needs root on Debian.
 # Usage: .ci/trixie_root.sh COMMAND [ARG...]   (NEWEST_DEBIAN_MIRROR overrides the mirror)
