@@ -13,7 +13,7 @@ are never cast by any function here.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, TypeVar, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -57,12 +57,36 @@ def _with_result_dtype(
     return params
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The arguments every precision function takes, written once: a rule's docstring says
+# "Args: those of every precision function" and the decorator puts them there, so help() and
+# the docs show them in full.
+RULE_ARGS = """    Args:
+        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
+        original_dtypes: The dtypes the original program gave the equation's inputs, one per
+            value in ``invars``.
+        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
+            possibly already 16-bit.
+        **bind_params: The primitive's parameters, as the equation records them.
+"""
+_ARGS_MARKER = "    Args: those of every precision function (``RULE_ARGS``).\n"
+
+
+def documented_rule(fn: F) -> F:
+    """``fn`` with the arguments of a precision function written into its docstring."""
+    if fn.__doc__ is not None:
+        fn.__doc__ = fn.__doc__.replace(_ARGS_MARKER, RULE_ARGS)
+    return fn
+
+
 def _cast_all(dtype: Any, original_dtypes: Sequence[Any], invars: Sequence[Any]) -> tuple:
     return tuple(
         cast_value(x, dtype) if castable(x, o) else x for x, o in zip(invars, original_dtypes)
     )
 
 
+@documented_rule
 def use_compute_precision(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -75,13 +99,7 @@ def use_compute_precision(
     that arrives in a dtype as wide as ``compute_dtype`` but with more range is not cast
     sideways: bfloat16 values stay bfloat16 under float16 compute, where 720 would be inf.
 
-    Args:
-        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
-        original_dtypes: The dtypes the original program gave the equation's inputs, one per
-            value in ``invars``.
-        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
-            possibly already 16-bit.
-        **bind_params: The primitive's parameters, as the equation records them.
+    Args: those of every precision function (``RULE_ARGS``).
 
     Returns:
         A pair ``(invars, bind_params)``. ``invars`` is a tuple with each floating-point input
@@ -125,6 +143,7 @@ def _no_less_range(dtype: Any, invars: Sequence[Any], original_dtypes: Sequence[
     return dtype
 
 
+@documented_rule
 def use_original_precision(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -134,13 +153,7 @@ def use_original_precision(
     (``"amp_stop"``...) and to kernels such as ``pallas_call``; a primitive the policy does not
     name runs this way too, unless the policy maps the key ``"amp_default"`` to another rule.
 
-    Args:
-        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
-        original_dtypes: The dtypes the original program gave the equation's inputs, one per
-            value in ``invars``.
-        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
-            possibly already 16-bit.
-        **bind_params: The primitive's parameters, as the equation records them.
+    Args: those of every precision function (``RULE_ARGS``).
 
     Returns:
         A pair ``(invars, bind_params)``: ``invars`` a tuple with each floating-point input
@@ -167,6 +180,7 @@ def _widest(invars: Sequence[Any], original_dtypes: Sequence[Any]) -> Any:
     return np.dtype(jnp.result_type(*dtypes))
 
 
+@documented_rule
 def use_widest_precision(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -176,13 +190,7 @@ def use_widest_precision(
     value that arrives in float32 is never narrowed to meet a 16-bit one. ``compute_dtype``
     is not used.
 
-    Args:
-        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
-        original_dtypes: The dtypes the original program gave the equation's inputs, one per
-            value in ``invars``.
-        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
-            possibly already 16-bit.
-        **bind_params: The primitive's parameters, as the equation records them.
+    Args: those of every precision function (``RULE_ARGS``).
 
     Returns:
         A pair ``(invars, bind_params)``. ``invars`` is a tuple with each floating-point input
@@ -205,6 +213,7 @@ def use_widest_precision(
     return _cast_all(widest, original_dtypes, invars), params
 
 
+@documented_rule
 def use_input_precision(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -214,13 +223,7 @@ def use_input_precision(
     matrix products. Mixed floating inputs are promoted to the widest, as PyTorch does, which
     makes this rule :func:`use_widest_precision` under another name.
 
-    Args:
-        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
-        original_dtypes: The dtypes the original program gave the equation's inputs, one per
-            value in ``invars``.
-        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
-            possibly already 16-bit.
-        **bind_params: The primitive's parameters, as the equation records them.
+    Args: those of every precision function (``RULE_ARGS``).
 
     Returns:
         The pair :func:`use_widest_precision` returns: ``invars`` as a tuple in the dtype
@@ -277,6 +280,7 @@ def use_precision(dtype: Any) -> PrecisionFn:
     return rule
 
 
+@documented_rule
 def use_full_precision(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -289,13 +293,7 @@ def use_full_precision(
     (exponentials, logarithms, sums, special functions) use this rule; ``compute_dtype`` is
     not used.
 
-    Args:
-        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
-        original_dtypes: The dtypes the original program gave the equation's inputs, one per
-            value in ``invars``.
-        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
-            possibly already 16-bit.
-        **bind_params: The primitive's parameters, as the equation records them.
+    Args: those of every precision function (``RULE_ARGS``).
 
     Returns:
         A pair ``(invars, bind_params)``. ``invars`` is a tuple with each floating-point input
@@ -324,6 +322,7 @@ def use_full_precision(
     return _cast_all(target, original_dtypes, invars), params
 
 
+@documented_rule
 def use_own_precision(
     compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **bind_params: Any
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -336,13 +335,7 @@ def use_own_precision(
     first, as the products would on arrival; the gradient of a value ``pvary`` marks is then
     summed in 16 bits. Parameters and sums keep their dtype.
 
-    Args:
-        compute_dtype: The compute dtype ``amp`` runs under, a NumPy floating dtype.
-        original_dtypes: The dtypes the original program gave the equation's inputs, one per
-            value in ``invars``.
-        *invars: The equation's input values as they arrive under ``amp``: arrays or tracers,
-            possibly already 16-bit.
-        **bind_params: The primitive's parameters, as the equation records them.
+    Args: those of every precision function (``RULE_ARGS``).
 
     Returns:
         The pair ``(invars, bind_params)``, both as given: ``invars`` is the tuple of inputs.

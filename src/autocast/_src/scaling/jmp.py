@@ -30,6 +30,7 @@ from autocast._src.scaling.core import (
 from autocast._src.tree import map_floating
 
 T = TypeVar("T")
+F = TypeVar("F", bound="LossScale")
 
 
 class LossScale(abc.ABC):
@@ -125,10 +126,31 @@ def _value_equality(cls: type[T]) -> type[T]:
     return cls
 
 
+class _Fixed(LossScale):
+    """A loss scale that never changes: what :class:`NoOpLossScale` and
+    :class:`StaticLossScale` share."""
+
+    def adjust(self: F, grads_finite: jax.Array) -> F:
+        """Returns ``self``: this scale never changes.
+
+        Args:
+            grads_finite: A boolean scalar, traced or not: whether this step's gradients were all
+                finite, as :func:`autocast.all_finite` returns it.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            TypeError: If ``grads_finite`` is not a boolean scalar.
+        """
+        check_finite_flag(grads_finite)
+        return self
+
+
 @register_fields
 @_value_equality
 @dataclasses.dataclass(frozen=True)
-class NoOpLossScale(LossScale):
+class NoOpLossScale(_Fixed):
     """A loss scale that does nothing, for bfloat16 and float32 training.
 
     It has no fields: ``loss_scale`` is always 1, ``scale`` and ``unscale`` return their
@@ -168,27 +190,11 @@ class NoOpLossScale(LossScale):
         """
         return tree
 
-    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
-        """Returns ``self``: nothing to adjust.
-
-        Args:
-            grads_finite: A boolean scalar, traced or not: whether this step's gradients were all
-                finite, as :func:`autocast.all_finite` returns it.
-
-        Returns:
-            ``self``.
-
-        Raises:
-            TypeError: If ``grads_finite`` is not a boolean scalar.
-        """
-        check_finite_flag(grads_finite)
-        return self
-
 
 @register_fields
 @_value_equality
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale(LossScale):
+class StaticLossScale(_Fixed):
     """Scales and unscales by a fixed positive factor, kept in float32.
 
     Attributes:
@@ -214,22 +220,6 @@ class StaticLossScale(LossScale):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_scale", checked_scale(self.loss_scale, "loss_scale"))
-
-    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
-        """Returns ``self``: a static scale never changes.
-
-        Args:
-            grads_finite: A boolean scalar, traced or not: whether this step's gradients were all
-                finite, as :func:`autocast.all_finite` returns it.
-
-        Returns:
-            ``self``.
-
-        Raises:
-            TypeError: If ``grads_finite`` is not a boolean scalar.
-        """
-        check_finite_flag(grads_finite)
-        return self
 
 
 @register_fields

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from autocast import _compat
@@ -330,12 +329,7 @@ def _checkpointed(
     prevent_cse = PREVENT_CSE_OUTSIDE_LOOPS and any(n.prevent_cse for n in order)
     cache = regions.trace_cache()
     key = None if cache is None or finish_key is None else _structure(order, leaves, finish_key)
-    if key is None:
-        return jax.checkpoint(region, prevent_cse=prevent_cse, policy=recompute_all)(*leaves)
-    traced = cache.get(key)
-    if traced is None:
-        traced = cache[key] = _compat.trace_open(region, leaves)
-    return _compat.bind_checkpoint(*traced, leaves, policy=recompute_all, prevent_cse=prevent_cse)
+    return regions.checkpoint(region, leaves, recompute_all, prevent_cse, cache, key)
 
 
 def _checked(node: Link, value: Any) -> Any:

@@ -376,12 +376,26 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
     # outside a loop body, XLA would merge the backward's recomputation with the forward
     # pass and keep the float32 intermediates the region was made to spare
     prevent_cse = not root.ctx.in_loop and root.full
-    if key is None:
-        return jax.checkpoint(region, prevent_cse=prevent_cse, policy=save_nothing)(*leaves)
+    return checkpoint(region, leaves, save_nothing, prevent_cse, cache, key)
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    leaves: Sequence[Any],
+    policy: Callable[..., bool],
+    prevent_cse: bool,
+    cache: dict | None,
+    key: Any,
+) -> Any:
+    """``jax.checkpoint(fn, prevent_cse=..., policy=policy)(*leaves)``, traced once per ``key``
+    in ``cache`` (the blocks of a model share a structure); traced on its own where either is
+    None."""
+    if cache is None or key is None:
+        return jax.checkpoint(fn, prevent_cse=prevent_cse, policy=policy)(*leaves)
     traced = cache.get(key)
     if traced is None:
-        traced = cache[key] = _compat.trace_open(region, leaves)
-    return _compat.bind_checkpoint(*traced, leaves, policy=save_nothing, prevent_cse=prevent_cse)
+        traced = cache[key] = _compat.trace_open(fn, leaves)
+    return _compat.bind_checkpoint(*traced, leaves, policy=policy, prevent_cse=prevent_cse)
 
 
 # The regions traced so far in the program amp is evaluating (innermost last), by structure:
