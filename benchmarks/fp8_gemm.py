@@ -14,7 +14,11 @@ Columns: mean milliseconds per forward+backward, the float8 GEMMs XLA's compiled
 fusions (kernels XLA writes itself), and whether the layer of all-ones inputs is finite and
 right (a GPU run once gave inf there).
 
-Run: ``.venv/bin/python benchmarks/fp8_gemm.py [--tiny] [--json PATH]``
+On a GPU, ``--triton on,off`` times each row with XLA's Triton GEMM fusions on (its default:
+float8 dots become Triton kernels, 0 float8 custom calls) and off (cuBLASLt's float8 GEMMs):
+``make gpu-plan`` shows both programs without a GPU, but only this says which is faster.
+
+Run: ``.venv/bin/python benchmarks/fp8_gemm.py [--tiny] [--triton on,off] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -88,26 +92,27 @@ def _f8_calls(hlo: str) -> tuple[int, str]:
     return len(calls), ",".join(kinds) or "-"
 
 
-def measure(variant: str, shape: tuple[int, int, int], repeats: int) -> dict:
+def measure(variant: str, shape: tuple[int, int, int], repeats: int, triton: bool = True) -> dict:
     tokens, n_in, n_out = shape
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (tokens, n_in), jnp.float32)
     w = jax.random.normal(kw, (n_in, n_out), jnp.float32) / n_in**0.5
     form = "dequantised" if variant.endswith("dequantised") else "direct"
+    options = {"xla_gpu_enable_triton_gemm": triton} if jax.default_backend() == "gpu" else {}
     previous, fp8._GEMM_FORM = fp8._GEMM_FORM, form
     try:
         step, args = _step(variant, x, w)
-        compiled = step.lower(*args).compile()
+        compiled = step.lower(*args).compile(compiler_options=options)
         hlo = compiled.as_text()
-        jax.block_until_ready(step(*args))
+        jax.block_until_ready(compiled(*args))
         start = time.perf_counter()
         for _ in range(repeats):
-            out = step(*args)
+            out = compiled(*args)
         jax.block_until_ready(out)
         ms = 1e3 * (time.perf_counter() - start) / repeats
-        # all-ones operands: every float8 value is the format's largest, the product n_in
+        # all-ones operands: every float8 value is one power of two, the product n_in
         ones_step, ones_args = _step(variant, jnp.ones_like(x), jnp.ones_like(w))
-        ones_out, _ = ones_step(*ones_args)
+        ones_out, _ = ones_step.lower(*ones_args).compile(compiler_options=options)(*ones_args)
         ones_ok = bool(jnp.all(ones_out.astype(jnp.float32) == n_in))
     finally:
         fp8._GEMM_FORM = previous
@@ -127,23 +132,32 @@ def main(argv: list[str] | None = None) -> dict:
         "--tiny", action="store_true", help="a CPU-sized shape (the tests run this)"
     )
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--triton", default="on", help="Triton GEMM fusions 'on', 'off' or 'on,off' (a GPU's)"
+    )
     parser.add_argument("--json", default=str(HERE / "fp8_gemm.json"))
     options = parser.parse_args(argv)
+    settings = [t.strip() for t in options.triton.split(",") if t.strip()]
+    if not settings or any(t not in ("on", "off") for t in settings):
+        parser.error("--triton takes 'on', 'off' or 'on,off'")
+    if jax.default_backend() != "gpu":
+        settings = settings[:1]  # no Triton on a CPU: one setting is all there is
     shapes = TINY if options.tiny else SHAPES
     results: dict[str, dict] = {}
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(
-        f"{'shape':16} {'variant':18} {'ms':>8} {'f8 GEMMs':>8} {'result':>10} "
+        f"{'shape':16} {'variant':18} {'Triton':6} {'ms':>8} {'f8 GEMMs':>8} {'result':>10} "
         f"{'fusions':>7} {'ones ok':>7}"
     )
     for name, shape in shapes.items():
         for variant in VARIANTS:
-            r = measure(variant, shape, options.repeats)
-            results.setdefault(name, {})[variant] = r
-            print(
-                f"{name:16} {variant:18} {r['ms']:8.3f} {r['f8_gemms']:8d} {r['f8_result']:>10} "
-                f"{r['fusions']:7d} {str(r['all_ones_right']):>7}"
-            )
+            for triton in settings:
+                r = measure(variant, shape, options.repeats, triton == "on")
+                results.setdefault(name, {})[f"{variant} / Triton {triton}"] = r
+                print(
+                    f"{name:16} {variant:18} {triton:6} {r['ms']:8.3f} {r['f8_gemms']:8d} "
+                    f"{r['f8_result']:>10} {r['fusions']:7d} {str(r['all_ones_right']):>7}"
+                )
     Path(options.json).write_text(json.dumps(results, indent=1))
     return results
 

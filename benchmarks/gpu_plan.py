@@ -150,18 +150,12 @@ def _placed(tree: Any, where: jax.sharding.NamedSharding) -> Any:
 
 
 def _mlp(config: dict, variant: str) -> tuple[Callable, tuple]:
+    from recompute_cost import mlp_loss
+
     import autocast
 
     widths, batch = config["widths"], config["batch"]
-
-    def loss(params: list, x: jax.Array, y: jax.Array) -> jax.Array:
-        for i, (w, b) in enumerate(params):
-            x = x @ w + b
-            if i < len(params) - 1:
-                x = jax.nn.gelu(x)
-        return jnp.mean((x - y) ** 2)
-
-    fn = autocast.amp(loss, compute_dtype=jnp.bfloat16) if variant == "amp bf16" else loss
+    fn = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16) if variant == "amp bf16" else mlp_loss
     params = [
         (jax.ShapeDtypeStruct((a, b), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.float32))
         for a, b in zip(widths[:-1], widths[1:])
@@ -280,6 +274,7 @@ def plan(
             {"kind": kind, "detail": detail, "source": source, "launches": n}
             for (kind, detail, source), n in gemms.most_common()
         ],
+        "float8_passes": xla_program.float8_passes(read),
         "heaviest": [
             {
                 "kind": k.kind,
@@ -316,7 +311,10 @@ def _gemm_summary(p: dict) -> str:
     for kind in ("cuDNN attention", "cuDNN convolution", "cuDNN fusion"):
         if kind in p["kernels"]:
             counts[kind.replace("cuDNN ", "cuDNN ")] += p["kernels"][kind]["launches"]
-    return "; ".join(f"{n} {k}" for k, n in counts.most_common())
+    passes = p.get("float8_passes", {})
+    counts["f8 copies"] += passes.get("copies", 0)
+    counts["scalings after f8 GEMMs"] += passes.get("scalings", 0)
+    return "; ".join(f"{n} {k}" for k, n in counts.most_common() if n)
 
 
 def _print_details(label: str, p: dict, measured: float | None) -> None:

@@ -21,7 +21,7 @@ py=${PYTHON:-python3}
   date -u; } 2>&1 | tee "$out/device.txt"
 
 echo "== fp8_gemm ($gemm_s s)"
-timeout -k 5 "$gemm_s" $py benchmarks/fp8_gemm.py --json "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8_gemm.txt"
+timeout -k 5 "$gemm_s" $py benchmarks/fp8_gemm.py --triton on,off --json "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8_gemm.txt"
 
 # The rows that decide the targets first; the rest while time lasts.
 rows=(

@@ -352,9 +352,9 @@ def _operand_types(program: Program, ins: Instruction) -> list[str]:
 
 
 def _gemm_detail(program: Program, ins: Instruction, kind: str) -> str:
-    """A GEMM's operand and output types and, for a float8 cuBLASLt one, its scale operands:
-    each a computed value (fused into the GEMM) or the constant 1 (applied by another
-    kernel)."""
+    """A GEMM's operand and output types and, for a float8 cuBLASLt one, its scale operands
+    (the scalar ones): each a computed value (fused into the GEMM) or the constant 1 (applied
+    by another kernel); and what else it fused, a bias vector or a matrix it adds to."""
     outs = ins.outputs
     out = outs[0].dtype if outs else "?"
     if kind == "Triton GEMM fusion":
@@ -364,16 +364,18 @@ def _gemm_detail(program: Program, ins: Instruction, kind: str) -> str:
     inputs = _operand_types(program, ins)
     detail = f"{'x'.join(inputs)} -> {out}"
     if kind == "float8 cuBLASLt GEMM":
-        scales = []
+        scales, extras = [], []
         for name in ins.operands[2:]:
             producer = program.instructions.get(name)
-            if producer is None:
+            if producer is None or not producer.outputs:
                 continue
-            if producer.opcode == "constant":
+            if producer.outputs[0].dims:
+                extras.append("bias" if len(producer.outputs[0].dims) == 1 else "adds C")
+            elif producer.opcode == "constant":
                 scales.append(producer.arguments.strip() or "constant")
             else:
                 scales.append("fused")
-        detail += f", scales {'/'.join(scales) or '-'}"
+        detail += f", scales {'/'.join(scales) or '-'}" + "".join(f", {e}" for e in extras)
     return detail
 
 
@@ -579,3 +581,60 @@ def read(folder: str | Path) -> Program:
         program.peak_buffers = [_buffer(program, n, b) for n, b in live]
         program.peak_bytes = sum(b for _, b in live)
     return program
+
+
+# ---- float8 read-outs --------------------------------------------------------------------------
+
+_FLOAT8 = frozenset(t for t in _ITEMSIZE if t.startswith("f8"))
+# What a fusion that only rescales or converts an array computes.
+_SCALING = frozenset(
+    {"parameter", "constant", "broadcast", "bitcast", "reshape", "copy", "convert"}
+    | {"multiply", "divide", "get-tuple-element", "tuple"}
+)
+
+
+def _arrays_read(program: Program, ins: Instruction) -> list[Array]:
+    read = []
+    for name in ins.operands:
+        producer = program.instructions.get(name)
+        read += [a for a in producer.outputs if a.dims] if producer is not None else []
+    return read
+
+
+def _made_by(program: Program, name: str) -> Instruction | None:
+    ins = program.instructions.get(name)
+    while ins is not None and ins.opcode in ("bitcast", "get-tuple-element") and ins.operands:
+        ins = program.instructions.get(ins.operands[0])
+    return ins
+
+
+def float8_passes(program: Program) -> dict[str, int]:
+    """Launches per step of the float8 kernels that are neither a GEMM nor a quantisation:
+    ``copies``, kernels that read float8 arrays only and write as many float8 elements (a
+    quantised tensor transposed into the layout a GEMM needs), and ``scalings``, fusions
+    that read a float8 GEMM's result and only multiply or convert it (the scales applied
+    after the GEMM instead of by it)."""
+    counts = {"copies": 0, "scalings": 0}
+    for ins, runs in _launching(program):
+        kind = kind_of(ins)
+        if kind is None or kind in GEMM_KINDS:
+            continue
+        read, written = _arrays_read(program, ins), [a for a in ins.outputs if a.dims]
+        elements = lambda arrays: sum(a.nbytes // _ITEMSIZE[a.dtype] for a in arrays)  # noqa: E731
+        if (
+            read
+            and written
+            and all(a.dtype in _FLOAT8 for a in read + written)
+            and elements(read) == elements(written)
+        ):
+            counts["copies"] += runs
+            continue
+        if ins.opcode != "fusion":
+            continue
+        producers = [_made_by(program, name) for name in ins.operands]
+        after_gemm = any(p is not None and kind_of(p) == "float8 cuBLASLt GEMM" for p in producers)
+        body = program.computations.get(ins.attribute("calls") or "", [])
+        opcodes = {f.opcode for f in body}
+        if after_gemm and opcodes <= _SCALING and opcodes & {"multiply", "divide"}:
+            counts["scalings"] += runs
+    return counts

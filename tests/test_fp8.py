@@ -1,5 +1,6 @@
 """Float8 compute: scaled e4m3 products forward, e5m2 output gradients backward,
-float32 accumulation, bfloat16 for the rest; read off jaxprs and checked against float32."""
+float32 accumulation into bfloat16 results, bfloat16 for the rest; read off jaxprs and checked
+against float32."""
 
 from __future__ import annotations
 
@@ -81,9 +82,10 @@ def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients
         if _batched(e)
     ]
     assert batched and set(batched) == {("bfloat16", "bfloat16")}
-    # float32 accumulation in every float8 product
+    # every float8 product writes bfloat16 (its sums are float32 inside), rescaled after
+    # it by XLA in the GEMM itself (test_fp8_gemm_form.py)
     assert all(
-        e.outvars[0].aval.dtype == jnp.float32
+        e.outvars[0].aval.dtype == jnp.bfloat16
         for e in eqns_named(both, "dot_general")
         if _is_fp8([v.aval.dtype for v in e.invars])
     )
@@ -254,23 +256,18 @@ def test_nonfinite_operands_stay_nonfinite_and_zeros_stay_zero():
     np.testing.assert_array_equal(g, jnp.zeros((3, 4)))
 
 
-def test_a_transformer_keeps_no_more_for_its_backward_pass_than_in_bfloat16():
-    # the products keep their float8 operands where bfloat16 keeps 16-bit ones (the layer
-    # norms' outputs, attention's). Both keep the GELU chain's bfloat16 input only (it is
-    # recomputed); bfloat16 recomputes the GELU's output into the product that consumes it,
-    # float8 keeps its float8 copy beside the input (recomputing it would quantise again).
-    # On this model that leaves them even: 1.004x (0.90x before bfloat16 recomputed chains)
+def test_a_transformer_keeps_its_float8_operands_for_its_backward_pass():
+    # the products keep their float8 operands where bfloat16 keeps nothing of them: bfloat16
+    # recomputes a layer norm's output and the GELU's into the product that reads it,
+    # float8 keeps its float8 copy (recomputing it would quantise again, one more amax pass
+    # over the activation). Measured on this model: 0.267x float32's against bfloat16's
+    # 0.210x, 1.27x bfloat16's (1.004x before bfloat16 recomputed regions too)
     params, tokens = _demo_gpt()
-    f8 = _measure.residual_bytes(
-        autocast.amp(_models.gpt_loss, compute_dtype="fp8"), params, tokens, include_inputs=False
-    )
-    bf = _measure.residual_bytes(
-        autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16),
-        params,
-        tokens,
-        include_inputs=False,
-    )
-    assert f8 < 1.02 * bf
+    keep = lambda fn: _measure.residual_bytes(fn, params, tokens, include_inputs=False)  # noqa: E731
+    f32 = keep(_models.gpt_loss)
+    f8 = keep(autocast.amp(_models.gpt_loss, compute_dtype="fp8"))
+    bf = keep(autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16))
+    assert bf < f8 < 0.3 * f32 and f8 < 1.35 * bf
 
 
 def test_a_users_policy_keeps_its_own_product_rows_and_fp8_can_go_to_one_scope():
@@ -339,12 +336,17 @@ def test_extreme_but_finite_operands_and_empty_ones():
     tiny = jnp.array([[1e-36, 0.0, 1e-36, 1e-36]])
     out = f(tiny, jnp.ones((4, 2)))
     np.testing.assert_allclose(out, 3e-36 * jnp.ones((1, 2)), rtol=0.1)
-    # two scales whose product leaves float32's range, on a product that is exactly zero
-    np.testing.assert_array_equal(f(jnp.array([[1e22, 0.0]]), jnp.array([[0.0], [1e22]])), [[0.0]])
-    # small times small, where the product of the scales alone would flush to zero
+    # two scales whose product leaves float32's range: the GEMM applies them as one factor,
+    # so the result is non-finite even where it is exactly zero (0 x inf), never finite and
+    # wrong; the step's overflow check sees it (operands' amaxes near 1e22, far past training)
+    assert not np.isfinite(f(jnp.array([[1e22, 0.0]]), jnp.array([[0.0], [1e22]]))).any()
+    # small times small, where the product of the scales alone would flush to zero: both
+    # scales are raised into range, each operand giving up binades at the bottom of its range
     np.testing.assert_allclose(
         f(jnp.full((1, 4), 1e-18), jnp.full((4, 1), 1e-18)), [[4e-36]], rtol=0.1
     )
+    x = jnp.array([[1e-18, 3e-19, -2e-20, 0.0]])
+    np.testing.assert_allclose(f(x, x.T * 1e-3), x @ x.T * 1e-3, rtol=0.1)
     assert f(jnp.ones((0, 4)), jnp.ones((4, 2))).shape == (0, 2)
     g = jax.grad(lambda x: jnp.sum(f(x, jnp.ones((4, 2)))))(jnp.ones((0, 4)))
     assert g.shape == (0, 4)

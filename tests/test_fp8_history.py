@@ -92,12 +92,15 @@ def test_history_rows_are_operand_and_gradient_amaxes_newest_first():
 
 
 def test_scales_come_from_the_history_not_the_tensor():
-    # a history ten times larger than the tensor: the operand is quantised with that scale,
-    # so the result differs from current scaling's, but only by float8 rounding
+    # a history 256 times larger than the tensor: the operand is quantised with that scale,
+    # so its float8 values are 256 times smaller, those below e4m3's normal numbers rounded
+    # more coarsely, and the result differs from current scaling's, but only by that rounding
+    # (the scales are powers of two: a factor of 10 would only divide these operands' float8
+    # values by 16, exactly)
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)
     history = delayed.init(params, x)
-    wide = dataclasses.replace(history, amax=tuple(h * 10.0 for h in history.amax))
+    wide = dataclasses.replace(history, amax=tuple(h * 256.0 for h in history.amax))
     got = float(delayed(wide, params, x))
     same = float(delayed(history, params, x))
     assert got != same

@@ -3,13 +3,14 @@
 The recipe is a policy, not a second engine: the default table with its matrix-product rows
 (``dot_general``, ``conv_general_dilated``) given :func:`use_fp8_precision`, and bfloat16 as
 the compute dtype of everything else. A product under that rule quantises each operand with
-*per-tensor current scaling*: its scale is ``amax / max`` of the float8 format, computed in
-float32 inside the program from the tensor itself, so there is no state to thread through the
-train step. Forward operands are stored in e4m3 (3 mantissa bits), the output gradient that
-meets them in the backward products in e5m2 (2 mantissa bits, about 14 more binades: gradients
-span a wider range than activations), the hybrid format of NVIDIA's Transformer Engine.
-Products accumulate in float32 (``preferred_element_type``, which XLA maps to FP8 GEMMs on
-GPUs that have them); the result is rescaled and carried on in bfloat16.
+*per-tensor current scaling*: its scale is the power of two at or above ``amax / max`` of the
+float8 format, computed in float32 inside the program from the tensor itself, so there is no
+state to thread through the train step. Forward operands are stored in e4m3 (3 mantissa
+bits), the output gradient that meets them in the backward products in e5m2 (2 mantissa bits,
+about 14 more binades: gradients span a wider range than activations), the hybrid format of
+NVIDIA's Transformer Engine. Products accumulate in float32 and write bfloat16
+(``preferred_element_type``), multiplied by the product of the two scales, which XLA folds
+into the FP8 GEMM of GPUs that have one (:func:`scaled_product`); bfloat16 carries it on.
 
 ``jax.nn.scaled_dot_general`` is not used: it implements block scaling (MXFP8, NVFP4, one
 scale per 32 elements), which needs contraction sizes divisible by the block and hardware
@@ -42,7 +43,8 @@ _F32 = np.dtype(np.float32)
 CARRIER = np.dtype(jnp.bfloat16)
 
 # Forward format -> the format of the output gradients in the backward products. e5m2
-# forward means e5m2 everywhere; the "fnuz" formats (AMD's, no infinities, no -0) pair up.
+# forward means e5m2 everywhere (refused on NVIDIA's GPUs: see _check_runs_in_float8); the
+# "fnuz" formats (AMD's, no infinities, no -0) pair up.
 GRADIENT_FORMAT: dict[np.dtype, np.dtype] = {
     np.dtype(jnp.float8_e4m3fn): np.dtype(jnp.float8_e5m2),
     np.dtype(jnp.float8_e5m2): np.dtype(jnp.float8_e5m2),
@@ -82,7 +84,8 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
     """The recipe ``compute_dtype`` asks for, or None when it is not a float8 type.
 
     ``"fp8"``, ``"float8"`` and ``float8_e4m3fn`` give e4m3 forward and e5m2 gradients;
-    ``float8_e5m2`` gives e5m2 for both; the ``fnuz`` variants likewise with their own pair.
+    ``float8_e5m2`` gives e5m2 for both (which ``amp`` refuses on an NVIDIA GPU, see
+    :func:`_check_runs_in_float8`); the ``fnuz`` variants likewise with their own pair.
     Anything that is no floating dtype at all is refused as ``amp`` refuses it.
     """
     if isinstance(compute_dtype, Recipe):
@@ -111,30 +114,63 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
 _TINY = float(jnp.finfo(_F32).tiny)
 
 
+# float32's bit fields: an exponent of 8 bits above 23 of mantissa, biased by 127.
+_MANTISSA_BITS = 23
+_MANTISSA = (1 << _MANTISSA_BITS) - 1
+_EXPONENT_FIELD = 0xFF << _MANTISSA_BITS
+_BIAS = 127
+
+
+def power_of_two_at_or_above(v: Any) -> Any:
+    """The smallest power of two at or above each positive float32 ``v`` (an infinity or
+    NaN as it is), read off its bits: any mantissa bit carries into the exponent. Bit
+    arithmetic, not ``frexp``, so that XLA has a few scalar operations to fuse and not a
+    chain of kernels."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    up = jax.lax.bitcast_convert_type((bits + _MANTISSA) & _EXPONENT_FIELD, _F32)
+    return jnp.where(jnp.isnan(v), v, up)
+
+
+def _exponent(s: Any) -> Any:
+    """``log2`` of a positive power of two ``s``, exactly (128 for an infinity or NaN)."""
+    bits = jax.lax.bitcast_convert_type(s, jnp.uint32) >> _MANTISSA_BITS
+    return bits.astype(jnp.int32) - _BIAS
+
+
+def _two_to(e: Any) -> Any:
+    """``2**e`` for integers ``e`` in float32's normal range, -126 to 127."""
+    return jax.lax.bitcast_convert_type((e + _BIAS).astype(jnp.uint32) << _MANTISSA_BITS, _F32)
+
+
 def _scale(x: Any, top: float) -> Any:
-    """Per-tensor current scale of ``x`` for a format whose largest value is ``top``:
-    ``amax / top`` in float32, never
-    below float32's smallest normal number (a subnormal scale would flush to zero and divide
-    zeros into NaN). An empty tensor's amax is 0. A non-finite amax gives a non-finite scale
-    on purpose: an overflow in the step must reach the loss scaler's check, not be clipped
-    into range."""
-    return jnp.maximum(amax(x) / top, _TINY)
+    """Per-tensor current scale of ``x`` for a format whose largest value is ``top``: the
+    power of two at or above ``amax / top``, in float32, and never below float32's smallest
+    normal number (a subnormal scale would flush to zero and divide zeros into NaN).
+
+    A power of two, so that dividing by it is exact (the float8 rounding is the only one)
+    and so that it stays exact when XLA hands it to the GEMM rounded to the output's 16 bits
+    (:func:`scaled_product`). It costs at most one binade of the format's range: the largest
+    magnitude lands in ``(top / 2, top]``, not on ``top``. An empty tensor's amax is 0. A
+    non-finite amax gives a non-finite scale on purpose: an overflow in the step must reach
+    the loss scaler's check, not be clipped into range."""
+    return power_of_two_at_or_above(jnp.maximum(amax(x) / top, _TINY))
 
 
 def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
     """``x`` in the float8 format ``fmt`` with per-tensor current scaling: ``(q, scale)``
-    with ``q * scale ≈ x``, ``q``'s largest magnitude the format's largest finite value.
+    with ``q * scale ≈ x``, the scale a power of two, ``q``'s largest magnitude above half
+    the format's largest finite value.
 
     >>> import jax.numpy as jnp
     >>> from autocast._src.fp8 import quantise
-    >>> q, s = quantise(jnp.array([1e-6, -2e-6, 4e-6]), jnp.float8_e4m3fn)
-    >>> q.dtype, q.astype(jnp.float32).tolist(), round(float(s) * 1e6, 4)
-    (dtype(float8_e4m3fn), [112.0, -224.0, 448.0], 0.0089)
+    >>> q, s = quantise(jnp.array([0.5, -1.5, 3.0]), jnp.float8_e4m3fn)
+    >>> q.dtype, q.astype(jnp.float32).tolist(), float(s) == 2.0**-7
+    (dtype(float8_e4m3fn), [64.0, -192.0, 384.0], True)
     """
     fmt = np.dtype(fmt)
     top = float(jnp.finfo(fmt).max)
     s = _scale(x, top)
-    return jnp.clip(x.astype(_F32) / s, -top, top).astype(fmt), s
+    return _rounded(x, fmt, s), s
 
 
 def quantise_with(x: Any, fmt: Any, scale: Any) -> Any:
@@ -154,7 +190,7 @@ def amax(x: Any) -> Any:
 
 
 def _widened(params: Mapping[str, Any]) -> dict[str, Any]:
-    """A product's parameters with float32 accumulation."""
+    """A product's parameters with a float32 result, as its transposes are traced."""
     return {**params, "preferred_element_type": _F32}
 
 
@@ -207,25 +243,106 @@ def _refuse(primals: tuple, tangents: tuple) -> tuple:
     )
 
 
-# How a scaled float8 product is written for XLA. "direct": the product of the float8
-# operands, accumulated in float32, then multiplied by both scales. "dequantised": each
-# operand converted back and multiplied by its scale *before* the product, the form XLA's GPU
-# compiler matches to a float8 GEMM that applies the scales itself and writes its output in
-# the output dtype (no float32 result pass). Both compute the same products; which one a GPU
-# runs faster is measured by benchmarks/fp8_gemm.py.
+# How a scaled float8 product is written for XLA; benchmarks/gpu_plan.py shows what XLA's GPU
+# compiler makes of each. "direct": the product of the float8 operands, written by the GEMM in
+# the result's dtype (bfloat16) and multiplied by one scalar, the product of the two scales.
+# XLA's cuBLASLt rewriter takes that one multiply into the float8 GEMM as its scale operand
+# (one only: a second multiply would stay a pass over the result), and a Triton GEMM fusion
+# takes it into its epilogue, so no kernel follows the GEMM with Triton GEMM fusions on or
+# off. "dequantised": each operand converted to bfloat16 and multiplied by its scale *before*
+# the product, which XLA's cuBLASLt rewriter matches to a float8 GEMM with each scale an
+# operand of its own; but with Triton GEMM fusions on, XLA gives that bfloat16 dot to Triton
+# as it is, and no float8 product is left (planned for an H200, JAX 0.10.2). Both compute the
+# same products.
 GEMM_FORMS = ("direct", "dequantised")
 _GEMM_FORM = "direct"
 
+# The exponent of float32's (and bfloat16's) smallest normal number. The GEMM applies the
+# product of two scales as one float32; below this it would be subnormal, rounded, and
+# flushed to zero by a GPU's epilogue.
+_LOWEST_EXPONENT = -126
+
+
+def _balanced(sa: Any, sb: Any) -> tuple[Any, Any]:
+    """Two operands' power-of-two scales (each at least float32's smallest normal number),
+    raised together where their product would fall below float32's normal numbers (both
+    operands' amaxes near 1e-17, or one far smaller): each operand then gives up half the
+    missing binades at the bottom of its range, instead of the product coming out zero.
+    Otherwise they are returned as they are."""
+    missing = jnp.maximum(_LOWEST_EXPONENT - _exponent(sa) - _exponent(sb), 0)
+    half = missing // 2
+    return sa * _two_to(missing - half), sb * _two_to(half)
+
+
+def _raised(sg: Any, sa: Any, sb: Any) -> Any:
+    """The output gradient's scale ``sg``, raised where its product with an operand's scale
+    would fall below float32's normal numbers (see :func:`_balanced`; the operands are
+    already quantised, so only the gradient can give)."""
+    lowest = _LOWEST_EXPONENT - jnp.minimum(_exponent(sa), _exponent(sb))
+    return jnp.maximum(sg, _two_to(jnp.maximum(lowest, _LOWEST_EXPONENT)))
+
+
+def _gemm_dtype(out_dtype: Any) -> np.dtype:
+    """What a float8 GEMM writes for a product wanted in ``out_dtype``: that dtype itself
+    where it is bfloat16 or float32, so that no pass over the result follows the GEMM;
+    float32 for float16, whose range the unscaled sums (448**2 a term in e4m3) overflow."""
+    out = np.dtype(out_dtype)
+    return out if out in (CARRIER, _F32) else _F32
+
+
+def _settled(*scales: Any) -> tuple:
+    """``scales`` (float32 scalars) computed before anything reads them, so that XLA makes
+    them in one small kernel. A Triton GEMM fusion takes float arithmetic into its epilogue
+    but not the bit arithmetic of a power of two, and without the barrier XLA split each
+    scale's arithmetic around the GEMMs into several scalar kernels: planned for GPT-2
+    medium with Triton GEMM fusions on, 2628 kernels besides the GEMMs per step, 2144 with
+    it, 2095 with the scales of before (not powers of two); the same 2338 in each with
+    Triton off, where the joint scales are the GEMMs' own operands."""
+    return jax.lax.optimization_barrier(scales)
+
 
 def scaled_product(
-    bind: Callable[..., Any], qa: Any, sa: Any, qb: Any, sb: Any, out_dtype: Any
+    bind: Callable[..., Any],
+    qa: Any,
+    sa: Any,
+    qb: Any,
+    sb: Any,
+    out_dtype: Any,
+    joint: Any = None,
 ) -> Any:
-    """``bind(a, b)`` of the float8 values ``qa * sa`` and ``qb * sb``, in ``out_dtype``;
-    ``bind`` accumulates in float32."""
+    """``bind(a, b, dtype)`` of the float8 values ``qa * sa`` and ``qb * sb``, in
+    ``out_dtype``; ``bind`` writes its product in ``dtype`` (accumulating in float32), and
+    ``joint``, if given, is ``sa * sb`` as the caller computed it (:func:`_settled`).
+
+    The scales are powers of two whose product is a normal float32 (:func:`_balanced`), so
+    it stays exact as the bfloat16 scalar the GEMM's result is multiplied by, and on a CPU
+    the program computes what the GPU's fused GEMM does. Past float32's range (both amaxes
+    near 1e22) that product is infinite, and so is the result, or NaN where it is exactly
+    zero: the step's overflow check sees it. A backward product's scaling follows the
+    transposition JAX's rule puts after its ``dot_general``: XLA folds that transposition
+    into the GEMM, and then the scaling (planned for GPT-2 medium: every layer's weight
+    gradient; scaled before the transposition, their GEMMs wrote the transposed layout and
+    kept the scaling out)."""
+    wide = _gemm_dtype(out_dtype)
     if _GEMM_FORM == "dequantised":
-        return bind(qa.astype(_F32) * sa, qb.astype(_F32) * sb).astype(out_dtype)
-    # one scale at a time: their product alone may leave float32's range
-    return (bind(qa, qb) * sa * sb).astype(out_dtype)
+        dequantised = lambda q, s: q.astype(CARRIER) * s.astype(CARRIER)  # noqa: E731
+        # without the barrier XLA computes a backward product's dequantised operand once with
+        # the forward one, keeps it in bfloat16, and its GEMM has no float8 operand left
+        qa, qb = jax.lax.optimization_barrier((qa, qb))
+        return bind(dequantised(qa, sa), dequantised(qb, sb), wide).astype(out_dtype)
+    joint = sa * sb if joint is None else joint
+    return (bind(qa, qb, wide) * joint.astype(wide)).astype(out_dtype)
+
+
+def _writing(prim: Any, params: Mapping[str, Any]) -> Callable[..., Any]:
+    """``bind`` of :func:`scaled_product` for ``prim`` with ``params``."""
+    return lambda a, b, dtype: prim.bind(a, b, **{**params, "preferred_element_type": dtype})
+
+
+def _rounded(x: Any, fmt: Any, scale: Any) -> Any:
+    """``x / scale`` rounded to the float8 format ``fmt``, saturating at its largest value."""
+    top = float(jnp.finfo(np.dtype(fmt)).max)
+    return jnp.clip(x.astype(_F32) / scale, -top, top).astype(fmt)
 
 
 # The backward products' precision. A float8 GEMM on Hopper with the default precision
@@ -237,8 +354,8 @@ def scaled_product(
 _EXACT_SUMS = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 
 
-def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any) -> Any:
-    """Evaluates a transpose jaxpr on float8 operands. Its products accumulate in float32,
+def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any, dtype: Any) -> Any:
+    """Evaluates a transpose jaxpr on float8 operands. Its products write ``dtype`` and sum
     exactly (:data:`_EXACT_SUMS`); for one that needs equal operand dtypes, both go to
     ``same_dtype``. The rest of the jaxpr only moves data (``rev``, ``transpose``) and follows
     its inputs' dtypes."""
@@ -249,7 +366,7 @@ def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any) -> Any:
         invals = [read(v) for v in eqn.invars]
         params = dict(eqn.params)
         if eqn.primitive.name in PRODUCTS:
-            params = {**_widened(params), "precision": _EXACT_SUMS}
+            params = {**params, "preferred_element_type": dtype, "precision": _EXACT_SUMS}
             if eqn.primitive.name in _SAME_OPERAND_DTYPES and invals[0].dtype.itemsize == 1:
                 invals = [x.astype(same_dtype) for x in invals]
         outs = _compat.bind_equation(eqn, invals, params)
@@ -263,20 +380,26 @@ def _operand_gradients(
     prim: Any, wide: tuple, recipe: Recipe, dtypes: tuple[Any, Any], kept: tuple, gradient: tuple
 ) -> tuple[Any, Any]:
     """The backward products of a scaled float8 product: the quantised output gradient
-    ``gradient = (qg, sg)`` against the float8 operands the forward pass kept,
-    ``kept = (qa, sa, qb, sb)``, through JAX's own transposition of the product; rescaled and
-    returned in the operands' dtypes ``dtypes``."""
-    (qa, sa, qb, sb), (qg, sg) = kept, gradient
+    ``gradient = (qg, sg, joints)`` against the float8 operands the forward pass kept,
+    ``kept = (qa, sa, qb, sb)``, through JAX's own transposition of the product; rescaled by
+    ``joints``, ``(sg * sb, sa * sg)``, and returned in the operands' dtypes ``dtypes``."""
+    (qa, sa, qb, sb), (qg, sg, (to_a_joint, to_b_joint)) = kept, gradient
     a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
     to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
     to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
-    da = scaled_product(
-        lambda g, b: _evaluate(to_a, [g, b], recipe.gradient), qg, sg, qb, sb, dtypes[0]
-    )
-    db = scaled_product(
-        lambda a, g: _evaluate(to_b, [a, g], recipe.gradient), qa, sa, qg, sg, dtypes[1]
-    )
+    to_da = lambda g, b, dt: _evaluate(to_a, [g, b], recipe.gradient, dt)  # noqa: E731
+    to_db = lambda a, g, dt: _evaluate(to_b, [a, g], recipe.gradient, dt)  # noqa: E731
+    da = scaled_product(to_da, qg, sg, qb, sb, dtypes[0], to_a_joint)
+    db = scaled_product(to_db, qa, sa, qg, sg, dtypes[1], to_b_joint)
     return da, db
+
+
+def _gradient_scales(sg: Any, sa: Any, sb: Any) -> tuple[Any, Any]:
+    """The output gradient's scale, raised into range (:func:`_raised`), and the joint
+    scales of the two backward products, settled together (:func:`_settled`)."""
+    sg = _raised(sg, sa, sb)
+    sg, to_a, to_b = _settled(sg, sg * sb, sa * sg)
+    return sg, (to_a, to_b)
 
 
 def _product(
@@ -285,18 +408,23 @@ def _product(
     """The scaled float8 product for one equation's parameters and dtypes, with its custom
     derivative: e5m2 output gradients against the e4m3 operands the forward pass kept (the
     residuals are the float8 operands, half of what a bfloat16 product keeps)."""
-    params = _widened(dict(frozen))
-    wide = _frozen(params)
+    params = dict(frozen)
+    wide = _frozen(_widened(params))
+    top = float(jnp.finfo(recipe.forward).max)
 
     def forward(a: Any, b: Any) -> tuple[Any, Any]:
-        (qa, sa), (qb, sb) = quantise(a, recipe.forward), quantise(b, recipe.forward)
-        out = scaled_product(lambda a, b: prim.bind(a, b, **params), qa, sa, qb, sb, out_dtype)
+        sa, sb = _balanced(_scale(a, top), _scale(b, top))
+        sa, sb, joint = _settled(sa, sb, sa * sb)
+        qa, qb = _rounded(a, recipe.forward, sa), _rounded(b, recipe.forward, sb)
+        out = scaled_product(_writing(prim, params), qa, sa, qb, sb, out_dtype, joint)
         return out, (qa, sa, qb, sb)
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
         (qa, sa, qb, sb), g = _first_derivative_only((residuals, g))
-        qg, sg = quantise(g, recipe.gradient)
-        return _operand_gradients(prim, wide, recipe, dtypes, (qa, sa, qb, sb), (qg, sg))
+        sg, joints = _gradient_scales(_scale(g, float(jnp.finfo(recipe.gradient).max)), sa, sb)
+        qg = _rounded(g, recipe.gradient, sg)
+        kept = (qa, sa, qb, sb)
+        return _operand_gradients(prim, wide, recipe, dtypes, kept, (qg, sg, joints))
 
     product = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     product.defvjp(forward, backward)
@@ -341,12 +469,15 @@ def bins_bound(bins: Any) -> tuple[Any, Any]:
 
 
 def _from_history(history: Any, fmt: Any) -> Any:
-    """The delayed scale for ``fmt`` from an amax history: its largest entry over the
-    format's largest value; 1 (Transformer Engine's first scale) while the history holds
-    nothing above zero."""
+    """The delayed scale for ``fmt`` from an amax history: the power of two at or above its
+    largest entry over the format's largest value, a power of two as current scaling's is
+    (:func:`_scale`); 1 (Transformer Engine's first scale) while the history holds nothing
+    above zero. The entries are powers of two at or above the amaxes, so the history's largest
+    amax lands at or below 256 in e4m3 (32768 in e5m2), not 448 (57344)."""
     top = jnp.max(history)
     fmax = float(jnp.finfo(np.dtype(fmt)).max)
-    return jnp.where(top > 0, jnp.maximum(top / fmax, _TINY), 1.0).astype(_F32)
+    scale = power_of_two_at_or_above(jnp.maximum(top / fmax, _TINY))
+    return jnp.where(top > 0, scale, 1.0).astype(_F32)
 
 
 def _delayed_product(
@@ -366,8 +497,8 @@ def _delayed_product(
     ``inbox`` (see :func:`amax_bins`), from which :meth:`Fp8History.advance` makes the next
     history. Measuring (``measuring=True``, for a first history) scales from this step's amax
     instead, and so does a row ``delayed_rows`` leaves out (one ``init`` could not measure)."""
-    params = _widened(dict(frozen))
-    wide = _frozen(params)
+    params = dict(frozen)
+    wide = _frozen(_widened(params))
 
     def scale(x: Any, history: Any, i: int, fmt: Any) -> Any:
         if measuring or not delayed_rows[i]:
@@ -376,16 +507,19 @@ def _delayed_product(
 
     def forward(a: Any, b: Any, history: Any, inbox: Any) -> tuple[Any, Any]:
         sa, sb = scale(a, history, 0, recipe.forward), scale(b, history, 1, recipe.forward)
+        sa, sb = _balanced(sa, sb)
+        sa, sb, joint = _settled(sa, sb, sa * sb)
         qa, qb = quantise_with(a, recipe.forward, sa), quantise_with(b, recipe.forward, sb)
-        out = scaled_product(lambda a, b: prim.bind(a, b, **params), qa, sa, qb, sb, out_dtype)
+        out = scaled_product(_writing(prim, params), qa, sa, qb, sb, out_dtype, joint)
         return out, (qa, sa, qb, sb, history, inbox, amax(a), amax(b))
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any, Any, Any]:
         *kept, inbox, amax_a, amax_b = residuals  # these only feed the inbox
         (qa, sa, qb, sb, history), g = _first_derivative_only((tuple(kept), g))
-        sg = scale(g, history, 2, recipe.gradient)
+        sg, joints = _gradient_scales(scale(g, history, 2, recipe.gradient), sa, sb)
         qg = quantise_with(g, recipe.gradient, sg)
-        da, db = _operand_gradients(prim, wide, recipe, dtypes, (qa, sa, qb, sb), (qg, sg))
+        kept = (qa, sa, qb, sb)
+        da, db = _operand_gradients(prim, wide, recipe, dtypes, kept, (qg, sg, joints))
         measured = jnp.stack([amax_bins(v) for v in (amax_a, amax_b, amax(g))])
         # under shard_map, a replicated inbox's gradient must be replicated too: the sum over
         # devices, whose bins show the largest amax of any
@@ -563,12 +697,54 @@ def rule_of(recipe: Recipe) -> PrecisionFn:
     return rule
 
 
+def _has_float8_gemms(devices: Sequence[Any]) -> bool:
+    """Whether ``devices`` are NVIDIA GPUs with float8 GEMMs: compute capability 8.9 (Ada
+    Lovelace) and up. Another GPU's ``compute_capability`` (AMD's ``gfx942``) is no such
+    pair of numbers."""
+    for device in devices:
+        try:
+            major, minor = (int(p) for p in str(device.compute_capability).split(".")[:2])
+        except (AttributeError, ValueError):
+            continue
+        if device.platform == "gpu" and (major, minor) >= (8, 9):
+            return True
+    return False
+
+
+def _float8_gemm_devices() -> bool:
+    """Whether JAX's default devices have NVIDIA's float8 GEMMs (a CPU has none)."""
+    return _has_float8_gemms(jax.devices())
+
+
+# e5m2 x e5m2: every product of ``compute_dtype=jnp.float8_e5m2``, forward and backward.
+_E5M2 = np.dtype(jnp.float8_e5m2)
+
+
+def _check_runs_in_float8(recipe: Recipe) -> None:
+    """Refuses a recipe whose products no float8 GEMM of the default devices takes. NVIDIA's
+    cuBLASLt multiplies e4m3 by e4m3 or by e5m2 but not e5m2 by e5m2: XLA gives such a dot
+    to a bfloat16 cuBLASLt GEMM after converting both operands (planned for an H200 with
+    Triton GEMM fusions off; with them on, to a Triton kernel no GPU has measured), so the
+    recipe would run slower than bfloat16 and say it ran in float8. On a CPU, where every
+    float8 product is converted anyway, it runs, so its numerics can still be studied."""
+    if recipe.forward == recipe.gradient == _E5M2 and _float8_gemm_devices():
+        raise ValueError(
+            "compute_dtype float8_e5m2 multiplies e5m2 by e5m2 in every product, and an NVIDIA "
+            "GPU has no float8 GEMM for that pair (cuBLASLt needs one e4m3 operand; XLA runs "
+            "both to bfloat16 for its GEMM instead). Use compute_dtype='fp8' "
+            "(float8_e4m3fn): e4m3 operands forward and e5m2 output gradients against them "
+            "backward, each product a float8 GEMM"
+        )
+
+
 def with_fp8_products(
     policy: Mapping[PolicyKey, PrecisionFn], recipe: Recipe
 ) -> dict[PolicyKey, PrecisionFn]:
     """``policy`` with each matrix-product primitive it runs in the compute dtype run by
     ``recipe`` instead. Rows that say something else (a user's float32 ``dot_general``) and
-    named scopes are kept as they are."""
+    named scopes are kept as they are. A recipe no float8 GEMM of the default devices runs
+    is refused (:func:`_check_runs_in_float8`)."""
+    _check_runs_in_float8(recipe)
     fp8_rule = rule_of(recipe)
     changed = dict(policy)
     for name in PRODUCTS:
