@@ -25,8 +25,9 @@ def _product_dtypes(f, *args):
 )
 def test_a_product_with_an_extent_below_16_runs_in_bfloat16(shapes):
     # a GPU hands such a float8 dot to no float8 GEMM: XLA computed it in float16 and
-    # overflowed (inf for a 4x4 product of ones on an H200)
-    f = autocast.amp(lambda x, w: jnp.sum(x @ w), compute_dtype="fp8")
+    # overflowed (inf for a 4x4 product of ones on an H200). The activation is computed
+    # (x + 0), so w is the weight whose size decides
+    f = autocast.amp(lambda x, w: jnp.sum((x + 0.0) @ w), compute_dtype="fp8")
     dtypes = _product_dtypes(f, jnp.ones(shapes[0]), jnp.ones(shapes[1]))
     assert dtypes and all(set(d) == {"bfloat16"} for d in dtypes)
     assert (
@@ -87,3 +88,63 @@ def test_the_rule_is_the_same_under_delayed_scaling():
         jaxpr = jax.make_jaxpr(f)(f.init(x, w), x, w)
         (dtypes,) = operand_dtypes(jaxpr, "dot_general")
         assert (set(dtypes) <= F8) is float8
+
+
+def _float8_products(fn, *args):
+    """How many forward products of ``fn`` take float8 operands."""
+    return sum(set(d) <= F8 for d in operand_dtypes(jax.make_jaxpr(fn)(*args), "dot_general"))
+
+
+def test_the_weight_decides_whichever_side_the_batch_sits_on():
+    # Equinox's Linear computes weight @ x per example; under vmap the batch becomes the
+    # product's columns. The weight (an input reached by data movement alone) decides: a
+    # 64 -> 4 head stays in bfloat16 in both layouts and at every batch size, the 64-wide
+    # layers run in float8 at every batch size, and one example under vmap outside amp
+    # chooses as the batch does
+    w1, w2, head = (
+        jax.random.normal(k, s) / 8
+        for k, s in zip(jax.random.split(jax.random.key(0), 3), ((32, 64), (64, 64), (64, 4)))
+    )
+
+    def weight_first(ws, x):  # Equinox's layout: weight @ x, one example at a time
+        def one(x):
+            for w in ws:
+                x = jnp.tanh(w.T @ x)
+            return x
+
+        return jnp.sum(jax.vmap(one)(x) ** 2)
+
+    def batch_first(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x**2)
+
+    ws = (w1, w2, head)
+    for fn in (weight_first, batch_first):
+        amp = autocast.amp(fn, compute_dtype="fp8")
+        counts = {b: _float8_products(amp, ws, jnp.ones((b, 32))) for b in (1, 8, 16, 64)}
+        assert set(counts.values()) == {2}, (fn.__name__, counts)
+    per_example = jax.vmap(
+        autocast.amp(lambda ws, x: batch_first(ws, x[None]), compute_dtype="fp8"),
+        in_axes=(None, 0),
+    )
+    assert _float8_products(per_example, ws, jnp.ones((8, 32))) == 2
+
+
+def test_a_history_made_on_one_batch_fits_smaller_batches():
+    # the products that may run in float8 hold histories whatever the batch, so a history
+    # made on a batch of 32 fits the last batch of 8, or a device's shard of 8 rows (it
+    # raised: "2 histories but the program has 0 float8 products")
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(32, 4, 64, 2, key=jax.random.key(1))
+    params, static = eqx.partition(mlp, eqx.is_inexact_array)
+
+    def loss(p, x):
+        return jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2)
+
+    delayed = autocast.amp_fp8_delayed(loss, history=2)
+    history = delayed.init(params, jnp.ones((32, 32)))
+    for rows in (8, 3):
+        value = jax.jit(delayed)(history, params, jnp.ones((rows, 32)) / 4)
+        want = loss(params, jnp.ones((rows, 32)) / 4)
+        assert abs(float(value) - float(want)) <= 0.15 * abs(float(want))

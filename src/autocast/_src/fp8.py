@@ -547,9 +547,10 @@ MIN_EXTENT = 16
 
 
 def _extents(eqn: Any) -> tuple[int, int, int]:
-    """(rows, columns, contraction) of one product of a matrix product equation: for a
-    ``dot_general`` the free and contracting sizes (batch dimensions left out), for a
-    convolution the output's positions, its features and one output's contraction."""
+    """(left free, right free, contraction) sizes of one product of a matrix product
+    equation: for a ``dot_general`` the free and contracting sizes of each operand (batch
+    dimensions left out), for a convolution the output's positions, its features and one
+    output's contraction."""
     shapes = [tuple(v.aval.shape) for v in eqn.invars[:2]]
     p = eqn.params
     if eqn.primitive.name == "dot_general":
@@ -567,15 +568,33 @@ def _extents(eqn: Any) -> tuple[int, int, int]:
     return m, kernel[dn.rhs_spec[0]], k
 
 
-def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
-    """Whether a product runs in float8; the others run in the compute dtype.
+def _weight_extent(eqn: Any, parameters: Sequence[bool]) -> int:
+    """The free size of the product's weight: the dimensions ``vmap`` and ``shard_map`` do
+    not split, whichever side the weight sits on.
 
-    - A product whose columns or contraction (a layer's weight dimensions) are below
-      :data:`MIN_EXTENT` gains nothing from float8 and, on a GPU, is not given to a float8
-      GEMM at all (see there). Rows are not asked: they are the batch, which ``vmap`` and
-      ``shard_map`` split, and the choice must be the same for one example, one device's
-      shard and the whole batch (a float8 history made on the batch fits each of them).
+    A convolution's weight is its kernel. A ``dot_general``'s weight is the operand that is
+    an input of the function reached through data movement alone (a parameter, or its slice
+    in a scan over layers) where the other is computed (an activation): ``x @ w`` and
+    Equinox's per-example ``weight @ x`` decide alike. Where both or neither are (a first
+    layer, whose input is the batch; a product of two activations), the larger free size
+    decides, so that a batch of one example and a batch of many decide alike wherever a layer
+    has 16 or more outputs."""
+    m, n, _ = _extents(eqn)
+    if eqn.primitive.name != "dot_general":
+        return n
+    left, right = parameters[:2] if len(parameters) >= 2 else (False, False)
+    if left != right:
+        return m if left else n
+    return max(m, n)
 
+
+def _may_run_in_float8(eqn: Any, recipe: Recipe) -> bool:
+    """Whether a product may run in float8 whatever its weight's size and its batch: it
+    holds a float8 history then (see :func:`_binding`).
+
+    - A product whose contraction (a layer's inputs) is below :data:`MIN_EXTENT` gains
+      nothing from float8 and, on a GPU, may not be given to a float8 GEMM at all (see
+      there).
     - A batched product (``dot_general`` with batch dimensions: attention's ``q @ k`` and
       ``p @ v``, one small product per head) is two activations multiplied, each quantised
       afresh on every call: on an H100 those quantisation passes cost more than float8 saves
@@ -586,8 +605,8 @@ def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
       arithmetic: its contraction is one group's channels.
     """
     p = eqn.params
-    _, columns, contraction = _extents(eqn)
-    if min(columns, contraction) < MIN_EXTENT:
+    _, _, contraction = _extents(eqn)
+    if contraction < MIN_EXTENT:
         return False
     if eqn.primitive.name == "dot_general":
         (_, _), (lhs_batch, _) = p["dimension_numbers"]
@@ -595,11 +614,22 @@ def _pays_in_float8(eqn: Any, recipe: Recipe) -> bool:
     return p.get("feature_group_count", 1) == 1 and p.get("batch_group_count", 1) == 1
 
 
-def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict, Any], Any]:
-    def bind(eqn: Any, invars: Sequence[Any], params: dict, ctx: Any) -> Any:
+def _pays_in_float8(eqn: Any, recipe: Recipe, parameters: Sequence[bool] = ()) -> bool:
+    """Whether a product runs in float8; the others run in the compute dtype: one that
+    :func:`_may_run_in_float8`, whose weight's free size (a layer's outputs,
+    :func:`_weight_extent`) is :data:`MIN_EXTENT` or more. The batch is not asked: ``vmap``
+    and ``shard_map`` split it, and the choice must be the same for one example, one
+    device's shard and the whole batch, whichever side of the product the batch sits on."""
+    return _may_run_in_float8(eqn, recipe) and _weight_extent(eqn, parameters) >= MIN_EXTENT
+
+
+def _binding(recipe: Recipe) -> Callable[..., Any]:
+    def bind(
+        eqn: Any, invars: Sequence[Any], params: dict, ctx: Any, parameters: Sequence[bool] = ()
+    ) -> Any:
         if (
             eqn.primitive.name not in PRODUCTS
-            or not _pays_in_float8(eqn, recipe)
+            or not _may_run_in_float8(eqn, recipe)
             or not all(_scaled(x) for x in invars[:2])
         ):
             return _compat.bind_equation(eqn, invars, params)
@@ -612,7 +642,12 @@ def _binding(recipe: Recipe) -> Callable[[Any, Sequence[Any], dict, Any], Any]:
         # program itself (not inside a loop, a branch or a re-traced call, see
         # autocast._src.fp8_history); current scaling elsewhere.
         slots = ctx.fp8_history if recipe.history else None
+        # every product that may run in float8 holds a history, so that one made on a batch
+        # fits a program where the weight's size keeps this one in 16 bits (a first layer,
+        # whose free size the batch may decide): it then measures nothing and is not read
         taken = None if slots is None else slots.take((3, recipe.history))
+        if not _pays_in_float8(eqn, recipe, parameters):
+            return _compat.bind_equation(eqn, invars, params)
         if taken is None or not any(taken.measured):
             return _memo(_cached_product, _product, *key)(a, b)
         rows = tuple(taken.measured)

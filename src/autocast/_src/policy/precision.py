@@ -351,10 +351,12 @@ def use_own_precision(
 
 
 # Precision functions that evaluate their equation themselves once they have cast its inputs:
-# rule -> bind(eqn, invars, params, ctx), in place of binding the primitive (ctx: the
-# interpreter's Context). Filled where such a rule is defined (the scaled float8 products of
-# :mod:`autocast._src.fp8`); each casts as use_compute_precision does.
-CUSTOM_BINDINGS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any], Any], Any]] = {}
+# rule -> bind(eqn, invars, params, ctx, parameters), in place of binding the primitive (ctx:
+# the interpreter's Context; parameters: per input, whether it is an input of the function
+# reached through data movement alone, a weight rather than a computed activation). Filled
+# where such a rule is defined (the scaled float8 products of :mod:`autocast._src.fp8`); each
+# casts as use_compute_precision does.
+CUSTOM_BINDINGS: dict[Any, Callable[..., Any]] = {}
 
 
 def is_compute_rule(rule: Any) -> bool:

@@ -613,7 +613,7 @@ def apply_first_order(
     params = _compat.retype_scalar_computation(eqn, invars, params)
     custom = CUSTOM_BINDINGS.get(rule)
     if custom is not None:
-        outs = custom(eqn, invars, params, ctx)
+        outs = custom(eqn, invars, params, ctx, tuple(k in (RAW, UNMAPPED) for k in kinds))
     elif _regions_on(ctx):
         outs = picks.bind_equation(eqn, invars, params)
     else:
