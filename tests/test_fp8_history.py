@@ -194,6 +194,24 @@ def test_a_history_another_function_made_is_refused():
     assert float(own(own.init(w, x), w, x)) == pytest.approx(float(g(w, x)), rel=0.1)
 
 
+def test_a_history_of_the_same_program_scaled_by_another_constant_is_refused():
+    # the digest leaves shapes out, and the constants they spell, but not the program's own:
+    # 0.01 * x and 100 * x have amaxes 10**4 apart, and one's history scaled the other's
+    # product to 0.0039 where float32 gives 10277
+    f = lambda x, w: jnp.mean(((0.01 * x) @ w) ** 2)  # noqa: E731
+    g = lambda x, w: jnp.mean(((100.0 * x) @ w) ** 2)  # noqa: E731
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 64))
+    w = jax.random.normal(jax.random.PRNGKey(3), (64, 32))
+    from_f = autocast.amp_fp8_delayed(f).init(x, w)
+    with pytest.raises(ValueError, match="made for another program"):
+        autocast.amp_fp8_delayed(g)(from_f, x, w)
+    with pytest.raises(ValueError, match="saved by another program"):
+        autocast.amp_fp8_delayed(g).restore(from_f, x, w)
+    # a mean's divisor is the batch size: another batch is the same program
+    own = autocast.amp_fp8_delayed(f)
+    assert float(own(own.init(x[:8], w), x, w)) == pytest.approx(float(f(x, w)), rel=0.15)
+
+
 def test_refuses_what_does_not_fit():
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autocast import _compat
 from autocast._src import fp8
 from autocast._src.tools import measure as _measure
 from autocast._src.transform import amp as _amp
@@ -226,16 +227,54 @@ _PLACEMENT = frozenset(
 )
 
 
+def _sizes(jaxpr: Any) -> set[float]:
+    """Every size the program's shapes spell: each dimension, and the product of every set
+    of an array's dimensions (a mean over some axes divides by one)."""
+    sizes: set[float] = set()
+    for eqn in _measure.equations(jaxpr):
+        for v in (*eqn.invars, *eqn.outvars):
+            shape = tuple(getattr(getattr(v, "aval", None), "shape", ()) or ())
+            if len(shape) > 8:
+                continue
+            for n in range(1, 1 << len(shape)):
+                sizes.add(float(np.prod([d for i, d in enumerate(shape) if n >> i & 1])))
+    return sizes
+
+
+def _constant(literal: Any, sizes: set[float]) -> str | None:
+    """A scalar floating literal as the program's digest spells it, or None for one that a
+    shape spells (a mean's divisor, which the batch size sets) and for any other literal."""
+    value = np.asarray(_compat.literal_value(literal))
+    if value.shape != () or not np.issubdtype(value.dtype, np.floating):
+        return None
+    x = float(value)
+    if x == 0 or not np.isfinite(x):
+        return repr(x)
+    for candidate in (abs(x), 1 / abs(x)):
+        nearest = float(np.float32(round(candidate)))
+        if nearest in sizes and abs(candidate - nearest) <= 1e-6 * nearest:
+            return None
+    return repr(float(np.float32(x)))
+
+
 def program_of(traced: Any) -> str:
     """A name for the program a history belongs to: a digest of its equations in order (with
-    sub-jaxprs), each as its primitive and the dtypes of its outputs. Shapes and constants are
-    left out (a mean's divisor is the batch size), so the same function on another batch
-    size, or on a device's shard under ``shard_map``, is the same program; a function that
-    differs in any operation is another."""
+    sub-jaxprs), each as its primitive, the dtypes of its outputs and its floating scalar
+    constants (``0.01 * x`` and ``100.0 * x`` are two programs, whose amaxes differ by a
+    factor of 10**4). Shapes are left out, and so are the constants the shapes spell (a
+    mean's divisor is the batch size), so the same function on another batch size, or on a
+    device's shard under ``shard_map``, is the same program; a function that differs in any
+    operation or constant is another. Constants held in arrays (closed over, not literals)
+    are left out."""
+    sizes = _sizes(traced.jaxpr)
     parts = []
     for eqn in _measure.equations(traced.jaxpr):
         if eqn.primitive.name not in _PLACEMENT:
-            parts.append(f"{eqn.primitive.name}{[str(v.aval.dtype) for v in eqn.outvars]}")
+            constants = [_constant(v, sizes) for v in eqn.invars if isinstance(v, _compat.Literal)]
+            parts.append(
+                f"{eqn.primitive.name}{[str(v.aval.dtype) for v in eqn.outvars]}"
+                f"{[c for c in constants if c is not None]}"
+            )
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
 
 
