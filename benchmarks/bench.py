@@ -21,6 +21,9 @@ Sections, each a table (``--only`` picks some):
 - ``third_party``: amp on custom rules with closures, diffrax, optimistix, lineax, Pallas;
 - ``fp8``: amp with float8 products against amp bfloat16: 8-bit and e5m2 FLOP shares,
   gradient error, activation memory, loss after training the demo's GPT;
+- ``state``: the training state in 16 and 8 bits (``training_state.py``): bytes per
+  parameter of each choice, the demo's GPT trained 300 steps with each (final loss against
+  float32 parameters and moments), and the optimizer update's time against plain Adam;
 - ``diagnose``: what ``autocast.diagnose`` costs against amp's first call (trace, compile,
   run) on the demo's GPT as a loss, a gradient, and a jitted gradient of scanned blocks;
 - ``gpu``: training steps at real sizes (``gpu_step.py``: GPT-2 small and medium, a 24x2048
@@ -62,6 +65,7 @@ import recompute_cost  # noqa: E402
 import third_party  # noqa: E402
 import torch_autocast  # noqa: E402
 import trace_overhead  # noqa: E402
+import training_state  # noqa: E402
 
 from autocast._src.tools import measure as _measure  # noqa: E402
 
@@ -186,6 +190,11 @@ def run_gpu(results: dict, options: argparse.Namespace) -> None:
     results["gpu_step"] = gpu_step.main(["--json", str(HERE / "gpu_step.json"), "--torch"])
 
 
+def run_state(results: dict, options: argparse.Namespace) -> None:
+    print("== training state in 16 and 8 bits: bytes per parameter, loss, update time ==")
+    results["training_state"] = training_state.main([])
+
+
 def run_diagnose(results: dict, options: argparse.Namespace) -> None:
     print("== the numerics debugger's cost: autocast.diagnose vs amp's first call, demo GPT ==")
     results["diagnose"] = diagnose_cost.main()
@@ -200,6 +209,7 @@ RUNNERS = {
     "recompute": run_recompute,
     "third_party": run_third_party,
     "fp8": run_fp8,
+    "state": run_state,
     "diagnose": run_diagnose,
     "step": run_step,
     "gpu": run_gpu,

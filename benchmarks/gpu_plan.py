@@ -100,6 +100,12 @@ DEFAULT_ROWS = (
         for m in ("GPT-2 small", "GPT-2 medium", "decoder 24x2048")
         for v in ("hand bf16", "amp bf16", "amp fp8", "amp fp8 delay")
     ],
+    # the training state in fewer bits (docs/training_state.md)
+    *[
+        (m, v, "fused")
+        for m in ("GPT-2 medium", "decoder 24x2048")
+        for v in ("amp bf16 state16", "amp bf16 moments8")
+    ],
     ("GPT-2 small", "hand bf16", "naive"),
     ("GPT-2 small", "amp bf16", "naive"),
     *[("ResNet-18", v, "-") for v in ("flax bf16", "amp bf16", "amp fp8")],
@@ -169,7 +175,7 @@ def _linear(config: dict, variant: str) -> tuple[Callable, tuple]:
     import _training
 
     import autocast
-    from autocast._src import fp8
+    from autocast._src.fp8 import products as fp8
 
     fp8._GEMM_FORM = "dequantised" if variant.endswith("dq") else "direct"
     f = lambda x, w: x @ w  # noqa: E731

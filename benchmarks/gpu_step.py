@@ -9,8 +9,10 @@ BatchNorm on 224x224 images at batch 128, with SGD and momentum.
 
 Variants: ``float32`` (TF32 matmuls on a GPU, XLA's default), ``hand bf16`` (GPTs) or
 ``flax bf16`` (ResNet-18, Flax's ``dtype=bfloat16``), ``amp bf16``, ``amp fp8``, and for the
-GPTs ``amp fp8 delay`` (``autocast.amp_fp8_delayed``, history 16, its histories carried in the
-step's state); with
+GPTs ``amp bf16 state16`` (amp bf16 with the training state in 16 bits: bfloat16
+parameters and AdamW moments, both stochastically rounded, ``autocast.optax``), ``amp bf16
+moments8`` (float32 parameters, AdamW moments in 8 bits) and ``amp fp8 delay``
+(``autocast.amp_fp8_delayed``, history 16, its histories carried in the step's state); with
 ``--torch``, PyTorch's ``autocast`` eager and under ``torch.compile``, naive attention and
 ``scaled_dot_product_attention`` (GPTs, when PyTorch and a CUDA device are there).
 
@@ -59,9 +61,23 @@ TINY: dict[str, dict[str, Any]] = {
     "decoder 24x2048": dict(kind="gpt", layers=2, d=128, heads=4, seq=32, batch=1, vocab=128),
     "ResNet-18": dict(kind="resnet", batch=2, size=32, classes=10, width=8),
 }
-GPT_VARIANTS = ("float32", "hand bf16", "amp bf16", "amp fp8", "amp fp8 delay")
+GPT_VARIANTS = (
+    "float32",
+    "hand bf16",
+    "amp bf16",
+    "amp bf16 state16",
+    "amp bf16 moments8",
+    "amp fp8",
+    "amp fp8 delay",
+)
+# The variants with the training state in fewer bits (autocast.optax): parameters' dtype,
+# the optimizer state's.
+STATE_VARIANTS = {
+    "amp bf16 state16": ("bfloat16", "bfloat16"),
+    "amp bf16 moments8": ("float32", "float8_e4m3fn"),
+}
 # The float8 variants with their products written in the other form XLA may match to a
-# float8 GEMM (``autocast._src.fp8.GEMM_FORMS``): run only when asked for by name.
+# float8 GEMM (``autocast._src.fp8.products.GEMM_FORMS``): run only when asked for by name.
 FORM_VARIANTS = {"amp fp8 dq": "dequantised", "amp fp8 delay dq": "dequantised"}
 RESNET_VARIANTS = ("float32", "flax bf16", "amp bf16", "amp fp8")
 TORCH_VARIANTS = ("torch eager", "torch compile")
@@ -119,13 +135,16 @@ def _gpt_step(
     n = gpu_models.gpt2_params_count(params)
     flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
     if variant.startswith("amp fp8"):
-        from autocast._src import fp8
+        from autocast._src.fp8 import products as fp8
 
         fp8._GEMM_FORM = FORM_VARIANTS.get(variant, "direct")
     if variant.startswith("amp fp8 delay"):
         loss = autocast.amp_fp8_delayed(loss, history=16)
     elif variant.startswith("amp"):
-        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if variant == "amp bf16" else "fp8")
+        bf16 = variant.startswith("amp bf16")
+        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if bf16 else "fp8")
+    if variant in STATE_VARIANTS:
+        params, optimizer = _state_in(STATE_VARIANTS[variant], params, optimizer)
     # the state is (float8 history or None, parameters)
     batch = functools.partial(gpu_models.gpt2_batch, **config)
     if abstract:
@@ -144,6 +163,31 @@ def _gpt_step(
 
     opt_state = (jax.eval_shape if abstract else lambda f, x: f(x))(optimizer.init, params)
     return step, ((history, params), opt_state), float(flops)
+
+
+def _state_in(dtypes: tuple[Any, Any], params: Any, optimizer: Any) -> tuple[Any, Any]:
+    """The parameters in ``dtypes[0]`` (rounded stochastically when 16-bit) and the
+    optimizer with its state stored in ``dtypes[1]`` (``autocast.optax``;
+    docs/training_state.md)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autocast.optax
+
+    param_dtype, state_dtype = (jnp.dtype(d) for d in dtypes)
+    params = jax.tree_util.tree_map(
+        lambda p: (
+            jax.ShapeDtypeStruct(p.shape, param_dtype)
+            if isinstance(p, jax.ShapeDtypeStruct)
+            else p.astype(param_dtype)
+        ),
+        params,
+    )
+    optimizer = autocast.optax.low_precision_state(optimizer, state_dtype, key=1)
+    if param_dtype != jnp.float32:
+        optimizer = optax.chain(optimizer, autocast.optax.stochastic_rounding(2))
+    return params, optimizer
 
 
 def _resnet_step(

@@ -247,6 +247,76 @@ def case_fp8_delayed() -> dict:
     return {**out, "scale": np.array(scales), "skipped": np.array(skipped)}
 
 
+def _state16_tx():
+    """float16 with the optax face around AdamW whose moments are stored in 8 bits, the
+    bfloat16 parameters rounded stochastically (docs/training_state.md)."""
+    return autocast.optax.dynamic_loss_scaling(
+        optax.chain(
+            autocast.optax.low_precision_state(optax.adamw(1e-2), jnp.float8_e4m3fn, key=1),
+            autocast.optax.stochastic_rounding(2),
+        ),
+        autocast.DynamicLossScale(jnp.float32(2.0**15), period=2),
+    )
+
+
+def _state16_start(tx):
+    """bfloat16 parameters sharded FSDP-style, and the optimizer state made where they are."""
+    params = {k: put(v.astype(jnp.bfloat16), FSDP[k]) for k, v in init_params().items()}
+    where = autocast.optax.state_shardings(jax.eval_shape(tx.init, params), params)
+    return params, jax.jit(tx.init, out_shardings=where)(params), where
+
+
+def _state16_step(tx, where):
+    shardings = {k: NamedSharding(MESH, s) for k, s in FSDP.items()}
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        scale = autocast.optax.loss_scale_of(opt_state)
+        grads = jax.grad(lambda p: scale.scale(amp16(p, x, y)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), shardings)
+        return params, jax.lax.with_sharding_constraint(opt_state, where)
+
+    return step
+
+
+def _assert_where(tree, where) -> None:
+    """Every array of ``tree`` placed as ``where`` says (specs compared without trailing
+    Nones, which split nothing)."""
+
+    def spec(s):
+        s = tuple(s.spec)
+        while s and s[-1] is None:
+            s = s[:-1]
+        return s
+
+    got = [spec(a.sharding) for a in jax.tree_util.tree_leaves(tree)]
+    want = [spec(s) for s in jax.tree_util.tree_leaves(where)]
+    assert got == want, (got, want)
+
+
+def case_fsdp_state16() -> dict:
+    """bfloat16 parameters sharded over the mesh (FSDP), AdamW's moments in 8 bits sharded
+    as their parameters are, stochastic rounding, float16 with the optax face."""
+    tx = _state16_tx()
+    params, opt_state, where = _state16_start(tx)
+    step = _state16_step(tx, where)
+    mu = opt_state.inner.inner_state[0].inner[0].mu["w1"]
+    assert tuple(mu.codes.sharding.spec)[:1] == ("d",), mu.codes.sharding
+    scales, skipped = [], []
+    for i in range(STEPS):
+        params, opt_state = step(params, opt_state, *batch(i, POISONED))
+        scales.append(host(autocast.optax.loss_scale_of(opt_state).loss_scale))
+        skipped.append(host(autocast.optax.skipped_steps(opt_state)))
+    _assert_where(opt_state, where)
+    assert all(p.dtype == jnp.bfloat16 for p in params.values())
+    return {
+        **{k: host(v).astype(np.float32) for k, v in params.items()},
+        "scale": np.array(scales),
+        "skipped": np.array(skipped),
+    }
+
+
 def case_tools() -> dict:
     """report and diagnose on global arrays; they print nothing: process 0 prints their text."""
     params = replicated(init_params())
@@ -339,6 +409,21 @@ def ck_f16_jmp():
     return state, step, None
 
 
+def ck_state16():
+    """bfloat16 parameters sharded over the mesh with 8-bit AdamW moments sharded alike,
+    stochastic rounding (its key in the state), float16 with the optax face."""
+    tx = _state16_tx()
+    params, opt_state, where = _state16_start(tx)
+    step = _state16_step(tx, where)
+
+    @jax.jit
+    def both(state, x, y):
+        params, opt = step(state["params"], state["opt"], x, y)
+        return {"params": params, "opt": opt}
+
+    return {"params": params, "opt": opt_state}, both, None
+
+
 def ck_fp8():
     """Delayed float8 with a zero-initialised layer (rows init cannot measure keep current
     scaling: the issue's case), float16 scaling by the jaxamp face."""
@@ -362,7 +447,7 @@ def ck_fp8():
 
 
 CHECKPOINT_CASES = {
-    f.__name__: f for f in (ck_bf16, ck_f16_jaxamp, ck_f16_optax, ck_f16_jmp, ck_fp8)
+    f.__name__: f for f in (ck_bf16, ck_f16_jaxamp, ck_f16_optax, ck_f16_jmp, ck_state16, ck_fp8)
 }
 
 
@@ -399,7 +484,7 @@ def run_checkpoint_case(name: str, phase: str, ckpt: str) -> dict:
             state = step(state, x, y)
     ckptr.close()
     out = {
-        "/".join(str(k) for k in path): host(v)
+        "/".join(str(k) for k in path): _plain(host(v))
         for path, v in jax.tree_util.tree_flatten_with_path(state)[0]
     }
     if fp8:
@@ -408,9 +493,23 @@ def run_checkpoint_case(name: str, phase: str, ckpt: str) -> dict:
     return out
 
 
+def _plain(x: np.ndarray) -> np.ndarray:
+    """bfloat16 and float8 arrays as their bits (np.savez keeps NumPy's own dtypes only)."""
+    if x.dtype.kind == "V" or x.dtype.name in ("bfloat16", "float8_e4m3fn"):
+        return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint8)
+    return x
+
+
 COMPARISON_CASES = {
     f.__name__: f
-    for f in (case_dp_optax, case_fsdp_jmp, case_shard_map_jaxamp, case_fp8_delayed, case_tools)
+    for f in (
+        case_dp_optax,
+        case_fsdp_jmp,
+        case_shard_map_jaxamp,
+        case_fp8_delayed,
+        case_fsdp_state16,
+        case_tools,
+    )
 }
 
 

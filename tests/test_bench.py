@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import load_script
 
@@ -47,6 +48,25 @@ def test_without_the_flag_a_cpu_skips_the_step_section(tmp_path, capsys):
 def test_an_unknown_section_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--only", "jaxpr,warp", "--json", str(tmp_path / "r.json")])
+
+
+training_state = load_script(Path(__file__).parents[1] / "benchmarks" / "training_state.py")
+
+
+def test_the_training_state_benchmark_counts_bytes_and_trains_each_choice():
+    chosen = ["float32", "f16 compute + scaling, bf16 state"]
+    results = training_state.main(["--steps", "2", "--choices", ";".join(chosen), "--no-timing"])
+    total = {k: v["total"] for k, v in results["bytes"].items()}
+    # Adam: float32 16 bytes per parameter; bfloat16 parameters and moments 8; 8-bit moments
+    # 6 and the block scales (4 bytes per 256 values of each moment)
+    assert abs(total["float32"] - 16) < 1e-3
+    assert abs(total["bf16 params SR, bf16 moments"] - 8) < 1e-3
+    assert 6 < total["bf16 params SR, 8-bit moments"] < 6.04
+    assert set(results["loss"]["demo GPT"]) == set(chosen)
+    for r in results["loss"]["demo GPT"].values():
+        assert np.isfinite(r["final_loss"]) and r["step_ms"] > 0
+    eight_bit = training_state.CHOICES["bf16 params SR, 8-bit moments"]
+    assert training_state.update_time(eight_bit, 4096, repeats=1) > 0
 
 
 gpu_step = load_script(Path(__file__).parents[1] / "benchmarks" / "gpu_step.py")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import autocast
@@ -19,7 +20,17 @@ def test_demo_runs_and_writes_table_plot_and_figures(tmp_path, capsys):
     results = demo.run(steps=12, out=tmp_path)
     printed = capsys.readouterr().out
     assert "amp float16 + scaling" in printed and "final loss" in printed
-    assert set(results) == {"float32", "amp bfloat16", "amp float16 + scaling", "amp float8"}
+    assert set(results) == {
+        "float32",
+        "amp bfloat16",
+        "amp float16 + scaling",
+        "amp float8",
+        "amp bf16, 16-bit state",
+    }
+    # float32 parameters, gradients and Adam's two moments: 16 bytes; all in bfloat16: 8
+    assert abs(results["float32"]["state_bytes_per_param"] - 16) < 0.01
+    assert abs(results["amp bf16, 16-bit state"]["state_bytes_per_param"] - 8) < 0.01
+    assert np.isfinite(results["amp bf16, 16-bit state"]["final_loss"])
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["amp bfloat16"]["low_precision_flop_share"] >= 0.99

@@ -19,6 +19,10 @@ _HEAVY_TRANSFORMS = {"eager", "scan", "fori_loop", "cond", "accumulate"}
 
 def _param(cell):
     heavy = "fp8 delayed" in cell or cell[3] in _HEAVY_TRANSFORMS
+    # the training-state cells: one per state for f16 with the optax face and bf16
+    # unscaled in the quick subset, the rest with the slow ones
+    if cell[3] in matrix.STATES:
+        heavy = (cell[1], cell[2]) not in (("f16", "optax face"), ("bf16", "none"))
     return pytest.param(cell, id="/".join(cell), marks=[pytest.mark.slow] if heavy else [])
 
 

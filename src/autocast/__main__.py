@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         run=_policy
     )
     demo = commands.add_parser(
-        "demo", help="train a small GPT four ways and compare them", formatter_class=defaults
+        "demo", help="train a small GPT five ways and compare them", formatter_class=defaults
     )
     demo.add_argument("--steps", type=int, default=600, help="training steps per run")
     demo.add_argument("--out", default="autocast-demo", help="folder for the plot and figures")

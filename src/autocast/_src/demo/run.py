@@ -1,7 +1,8 @@
-"""The main job: train a small GPT-style language model four ways and compare them.
+"""The main job: train a small GPT-style language model five ways and compare them.
 
-float32, amp with bfloat16, amp with float16 plus dynamic loss scaling, and amp with float8
-matrix products (per-tensor scaling), on text the
+float32, amp with bfloat16, amp with float16 plus dynamic loss scaling, amp with float8
+matrix products (per-tensor scaling), and amp with bfloat16 whose training state is 16-bit
+too (bfloat16 parameters and Adam moments, stochastically rounded), on text the
 package generates itself (sums such as ``"17+25=42;"``; nothing is downloaded). Prints a
 progress bar per run, then a table, and writes a plot and the figures to ``--out``.
 """
@@ -20,6 +21,7 @@ import numpy as np
 import optax
 
 import autocast
+import autocast.optax
 from autocast._src.demo import models as _models
 from autocast._src.tools import measure as _measure
 
@@ -90,10 +92,35 @@ def _make_step(loss_fn: Callable[..., Any], optimizer: Any, scaled: bool) -> Cal
     return jax.jit(step)
 
 
+STATE16 = "amp bf16, 16-bit state"
+
+
+def _state16(optimizer: Any, params: Any, seed: int) -> tuple[Any, Any]:
+    """The parameters in bfloat16 and ``optimizer`` with its moments stored in bfloat16,
+    both rounded stochastically (docs/training_state.md)."""
+    params = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
+    optimizer = optax.chain(
+        autocast.optax.low_precision_state(optimizer, jnp.bfloat16, key=seed + 1),
+        autocast.optax.stochastic_rounding(seed + 2),
+    )
+    return optimizer, params
+
+
+def state_bytes_per_parameter(params: Any, opt_state: Any) -> float:
+    """Bytes of the training state per parameter: parameters, their gradients (amp returns
+    them in the parameters' dtypes) and the optimizer state."""
+    n = sum(int(np.size(p)) for p in jax.tree_util.tree_leaves(params))
+
+    def held(tree: Any) -> int:
+        return sum(int(np.size(x)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+    return (2 * held(params) + held(opt_state)) / n
+
+
 def run(
     steps: int = 600, out: str | Path = "autocast-demo", *, seed: int = 0, quiet: bool = False
 ) -> dict:
-    """Trains the four ways, prints the table, writes ``demo.png`` and ``demo.json``."""
+    """Trains the five ways, prints the table, writes ``demo.png`` and ``demo.json``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(vocab=len(ALPHABET), d=64, layers=2, seq=32)
@@ -105,6 +132,7 @@ def run(
         "amp bfloat16": (autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16), False),
         "amp float16 + scaling": (autocast.amp(_models.gpt_loss, compute_dtype=jnp.float16), True),
         "amp float8": (autocast.amp(_models.gpt_loss, compute_dtype="fp8"), False),
+        STATE16: (autocast.amp(_models.gpt_loss, compute_dtype=jnp.bfloat16), False),
     }
     results: dict[str, dict] = {}
     probe = next(batches(text, batch=16, seq=config["seq"], seed=seed))
@@ -113,11 +141,13 @@ def run(
     held_out_text = corpus(n_sums=1000, seed=seed + 1)
     held_out_data = batches(held_out_text, batch=64, seq=config["seq"], seed=seed + 1)
     held_out = [next(held_out_data) for _ in range(8)]
-    evaluate = jax.jit(_models.gpt_loss)
+    # in float32, whatever the parameters are stored in
+    evaluate = jax.jit(lambda p, t: _models.gpt_loss(autocast.cast_to_full(p), t))
     for name, (loss_fn, scaled) in runs.items():
-        step = _make_step(loss_fn, optimizer, scaled)
+        tx, first = _state16(optimizer, params0, seed) if name == STATE16 else (optimizer, params0)
+        step = _make_step(loss_fn, tx, scaled)
         # patience 100 rather than 2000, so a short run shows the scale move
-        params, opt_state = params0, optimizer.init(params0)
+        params, opt_state = first, tx.init(first)
         scaler = autocast.DynamicScalerState(patience=100)
         losses, scales, times = [], [], []
         bar = _progress(steps, name)
@@ -134,12 +164,13 @@ def run(
             if i % 10 == 0:
                 bar.set_postfix_str(f"loss {loss:.3f}")
         bar.close()
-        grad_jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params0, probe)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(first, probe)
         results[name] = {
             "final_loss": statistics.fmean(float(evaluate(params, t)) for t in held_out),
             "final_train_loss": statistics.fmean(losses[-20:]),
             "step_ms": 1e3 * statistics.median(times[1:]) if len(times) > 1 else 1e3 * times[0],
-            "activation_bytes": _measure.residual_bytes(loss_fn, params0, probe),
+            "activation_bytes": _measure.residual_bytes(loss_fn, first, probe),
+            "state_bytes_per_param": state_bytes_per_parameter(params, opt_state),
             "low_precision_flop_share": _measure.low_precision_flop_share(grad_jaxpr),
             "fp8_flop_share": _measure.low_precision_flop_share(grad_jaxpr, bits=8),
             "skipped_steps": int(scaler.total_resets) if scaled else 0,
@@ -158,18 +189,21 @@ def run(
 
 def format_table(results: dict[str, dict]) -> str:
     """The comparison table, with losses relative to float32. The final loss is the trained
-    model's float32 loss on held-out sums (8 batches of 64 windows of a text no run saw)."""
+    model's float32 loss on held-out sums (8 batches of 64 windows of a text no run saw);
+    ``state B/p`` the bytes per parameter of parameters, gradients and Adam's state."""
     ref = results["float32"]["final_loss"]
     head = (
         f"{'run':24} {'final loss':>10} {'vs f32':>7} {'step ms':>8} {'act. MB':>8} "
-        f"{'16-bit FLOPs':>12} {'8-bit FLOPs':>11} {'skipped':>7} {'scale changes':>13}"
+        f"{'state B/p':>9} {'16-bit FLOPs':>12} {'8-bit FLOPs':>11} {'skipped':>7} "
+        f"{'scale changes':>13}"
     )
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         lines.append(
             f"{name:24} {r['final_loss']:10.4f} {r['final_loss'] / ref - 1:+7.2%} "
             f"{r['step_ms']:8.2f} {r['activation_bytes'] / 2**20:8.2f} "
-            f"{r['low_precision_flop_share']:12.1%} {r['fp8_flop_share']:11.1%} "
+            f"{r['state_bytes_per_param']:9.1f} {r['low_precision_flop_share']:12.1%} "
+            f"{r['fp8_flop_share']:11.1%} "
             f"{r['skipped_steps']:7d} {r['scale_changes']:13d}"
         )
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from autocast._src.scaling.core import (
 )
 from autocast._src.scaling.jaxamp import DynamicScalerState
 from autocast._src.scaling.jmp import DynamicLossScale, LossScale
-from autocast._src.tree import is_inexact_dtype
+from autocast._src.tree import is_array, is_floating_dtype, is_inexact_dtype
 
 # Marks the update function of every transformation dynamic_loss_scaling builds, so that
 # wrapping one in another (which would unscale the gradients twice) is refused at once.
@@ -107,6 +107,10 @@ def dynamic_loss_scaling(
         the gradients of the scaled loss and returns ``(updates, new_state)``, the updates
         unscaled. Give it the loss as ``value`` and a non-finite loss skips the step even
         where the gradients are finite (this wrapper sees nothing else of the loss).
+        Gradients of 16-bit parameters are unscaled into float32 (in their own dtype the
+        smallest would flush to zero) and ``inner`` computes from those; their updates are
+        float32, which ``optax.apply_updates`` casts back to the parameters' dtype, and
+        ``inner``'s state keeps the dtypes it had.
 
     Raises:
         TypeError: If ``inner`` is not an ``optax.GradientTransformation`` or is itself a
@@ -153,7 +157,7 @@ def dynamic_loss_scaling(
         )
     if min_loss_scale is not None:
         loss_scale = _with_floor(loss_scale, min_loss_scale)
-    skipping = optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
+    skipping = optax.apply_if_finite(_float32_updates(inner), max_consecutive_errors=_NEVER)
 
     def init(params: Any) -> LossScalingState:
         _refuse_inside_accumulation()
@@ -177,7 +181,9 @@ def dynamic_loss_scaling(
         **extra_args: Any,
     ) -> tuple[Any, LossScalingState]:
         del extra_args  # other transformations' extra arguments, passed along by optax.chain
-        grads = state.loss_scale.unscale(grads)
+        # 16-bit gradients are unscaled into float32: in their own dtype the smallest would
+        # flush to zero, which is what scaling the loss kept them from
+        grads = state.loss_scale.unscale(jax.tree_util.tree_map(_widened, grads))
         # the loss, where the caller gives it: a NaN loss skips the step even where the
         # gradients are finite (a NaN from a term the parameters do not reach); a Python
         # float counts as the array it stands for
@@ -211,6 +217,41 @@ def dynamic_loss_scaling(
 
     setattr(update, _MARK, True)
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _widened(x: Any) -> Any:
+    """A 16-bit (or narrower) floating array in float32; anything else as it is."""
+    if is_array(x) and is_floating_dtype(x.dtype) and jnp.dtype(x.dtype).itemsize < 4:
+        return x.astype(jnp.float32)
+    return x
+
+
+def _float32_updates(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` as ``apply_if_finite`` needs it when 16-bit gradients arrive in float32: its
+    updates float32 where they are narrower (``apply_if_finite`` skips a step with zeros of
+    the gradients' dtypes, and its two branches must agree), its state in the dtypes it had
+    (an optimizer whose moments follow 16-bit parameters computes them from float32
+    gradients in float32 and stores them as before)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        updates, new_state = inner.update(grads, state, params, **extra_args)
+        updates = jax.tree_util.tree_map(_widened, updates)
+        try:
+            new_state = jax.tree_util.tree_map(
+                lambda new, old: (
+                    new.astype(old.dtype)
+                    if is_array(new) and is_array(old) and new.dtype != old.dtype
+                    else new
+                ),
+                new_state,
+                state,
+            )
+        except ValueError:  # a state whose structure changes: apply_if_finite says so
+            pass
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
 _ACCUMULATED = (

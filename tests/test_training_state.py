@@ -1,0 +1,448 @@
+"""16- and 8-bit training state (autocast.optax.low_precision_state, stochastic_rounding,
+kahan_summation): the dtype of every leaf, parameters that still learn, exact state
+transitions (a skipped step under each loss-scaling face, accumulation, a resume), and the
+errors bad input gets. The rounding itself is tested in tests/test_state_rounding.py; two
+processes and FSDP-sharded state in tests/test_multiprocess.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autocast
+import autocast.optax as ao
+from autocast._src.state import blocks
+
+BF16, F32, E4M3 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _params(dtype=jnp.bfloat16):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w": (0.5 * jax.random.normal(k1, (8, 300))).astype(dtype),
+        "b": jnp.zeros((300,), dtype),
+        "scale": jnp.ones((), jnp.float32),  # a float32 leaf among 16-bit ones
+        "steps": jnp.zeros((3,), jnp.int32),  # an integer leaf
+    }
+
+
+def _grads(params, seed=1):
+    def one(p, k):
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            return np.zeros(p.shape, jax.dtypes.float0)
+        return (0.1 * jax.random.normal(k, p.shape)).astype(p.dtype)
+
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree_util.tree_unflatten(tree, [one(p, k) for p, k in zip(leaves, keys)])
+
+
+def _float_params(params):
+    return {k: v for k, v in params.items() if k != "steps"}
+
+
+def _assert_bit_identical(a, b, what):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), what
+    for i, (x, y) in enumerate(zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, (what, i)
+        assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)), (what, i)
+
+
+# ---- the dtype of every leaf --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32])
+def test_every_leaf_of_adam_s_state_is_stored_as_asked(dtype):
+    params = _float_params(_params())
+    tx = ao.low_precision_state(optax.adam(1e-3), dtype, key=jax.random.key(3))
+    state = tx.init(params)
+    for _ in range(2):  # init, then after an update: the same forms
+        adam = state.inner[0]
+        assert adam.count.dtype == jnp.int32 and adam.count.shape == ()
+        for field in ("mu", "nu"):
+            tree = getattr(adam, field)
+            # the scalar float32 parameter's moments are scalars: kept as they are
+            assert tree["scale"].dtype == F32 and tree["scale"].shape == ()
+            for name in ("w", "b"):
+                leaf = tree[name]
+                if jnp.dtype(dtype) == E4M3:
+                    assert isinstance(leaf, ao.BlockScaled), (field, name)
+                    assert leaf.codes.dtype == E4M3 and leaf.scales.dtype == F32
+                    assert leaf.shape == params[name].shape
+                    assert leaf.codes.shape == blocks.code_shape(params[name].shape, 256)
+                    assert leaf.root == (field == "nu")  # the second moment as square roots
+                else:
+                    assert leaf.dtype == jnp.dtype(dtype) and leaf.shape == params[name].shape
+        assert state.key.dtype == jnp.uint32 and state.key.shape == (2,)
+        updates, state = jax.jit(tx.update)(_grads(params), state, params)
+        for name in ("w", "b", "scale"):
+            assert updates[name].dtype == F32  # float32 updates, rounded once, onto params
+
+
+def test_blocks_run_along_the_last_axis_and_pad_the_last():
+    x = jnp.arange(2 * 600, dtype=jnp.float32).reshape(2, 600) / 600
+    stored = blocks.encode(x, 256, root=False, bits=None)
+    assert stored.codes.shape == (2, 3, 256) and stored.scales.shape == (2, 3)
+    # each block's scale is its own largest magnitude over 448; padding is zeros
+    np.testing.assert_allclose(stored.scales[0], np.array([255, 511, 599]) / 600 / 448, rtol=1e-6)
+    assert np.all(np.asarray(stored.codes[:, 2, 600 - 512 :].astype(jnp.float32)) == 0)
+    back = blocks.decode(stored)
+    assert back.shape == x.shape and back.dtype == F32
+    # e4m3 keeps 3 mantissa bits: within half a spacing, 2**-4 of each value, of it
+    np.testing.assert_allclose(back, x, rtol=2**-4, atol=1e-30)
+    assert stored.nbytes == 2 * 3 * 256 + 2 * 3 * 4
+
+
+def test_square_roots_keep_small_second_moments_that_plain_codes_flush():
+    # one row of squared gradients spanning 2**28: e4m3's normal values span 2**15 per block
+    nu = jnp.asarray([[2.0**-28, 2.0**-20, 1.0] + [2.0**-10] * 61], jnp.float32)
+    plain = blocks.decode(blocks.encode(nu, 256, root=False, bits=None))
+    rooted = blocks.decode(blocks.encode(nu, 256, root=True, bits=None))
+    assert float(plain[0, 0]) == 0.0  # flushed: Adam would divide by eps alone there
+    assert float(rooted[0, 0]) > 0.0
+    np.testing.assert_allclose(rooted, nu, rtol=2**-3)
+
+
+def test_stochastic_block_encoding_is_unbiased():
+    x = jnp.full((4096, 4), 0.3, jnp.float32).at[:, 0].set(1.0)  # 0.3 lies between codes
+    keys = jax.random.split(jax.random.key(0), 64)
+
+    @jax.jit
+    def mean_of(keys):
+        def one(k):
+            bits = jax.random.bits(k, blocks.code_shape(x.shape, 256), jnp.uint32)
+            return blocks.decode(blocks.encode(x, 256, root=False, bits=bits))[:, 1]
+
+        return jnp.mean(jax.vmap(one)(keys))
+
+    # e4m3 neighbours of 0.3 * 448 = 134.4 are 128 and 144: sigma of one draw <= 8/448
+    sigma = (16 / 448 / 2) / np.sqrt(4096 * 64)
+    assert abs(float(mean_of(keys)) - 0.3) <= 6 * sigma
+
+
+def test_stochastic_rounding_and_kahan_state_leaves():
+    params = _params()
+    sr = ao.stochastic_rounding(jax.random.key(7)).init(params)
+    assert sr.key.dtype == jnp.uint32 and sr.key.shape == (2,)
+    k = ao.kahan_summation().init(params)
+    assert k.compensation["w"].dtype == BF16 and k.compensation["b"].dtype == BF16
+    assert isinstance(k.compensation["scale"], optax.MaskedNode)
+    assert isinstance(k.compensation["steps"], optax.MaskedNode)
+    assert ao.kahan_summation(jnp.float32).init(params).compensation["w"].dtype == F32
+
+
+# ---- parameters that still learn ----------------------------------------------------------
+
+
+def _sgd_run(last, steps=200, lr=1e-4):
+    """bfloat16 parameters of 1.0 under SGD whose steps (1e-4) are a fortieth of their
+    spacing; the final mean parameter."""
+    params = {"w": jnp.ones((1024,), jnp.bfloat16)}
+    grads = {"w": jnp.ones((1024,), jnp.bfloat16)}
+    tx = optax.chain(optax.sgd(lr), *([last] if last is not None else []))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(steps):
+        params, state = step(params, state)
+    assert params["w"].dtype == BF16
+    return float(jnp.mean(params["w"].astype(jnp.float32)))
+
+
+def test_small_updates_vanish_without_rounding_and_survive_with_it():
+    want = 1.0 - 200 * 1e-4  # 0.98
+    assert _sgd_run(None) == 1.0  # round to nearest: every update lost (the stagnation)
+    # stochastic: the mean of 1024 parameters, each off by a random walk of 200 steps of
+    # about 2**-8 with chance 1/40: sigma of the mean about 1.4e-4
+    assert abs(_sgd_run(ao.stochastic_rounding(jax.random.key(0))) - want) < 1e-3
+    # Kahan: deterministic, to within one bfloat16 spacing below 1.0 (2**-8)
+    assert abs(_sgd_run(ao.kahan_summation()) - want) <= 2**-8
+
+
+def test_a_run_is_reproducible_from_its_key_and_the_key_advances():
+    def run(key):
+        tx = ao.stochastic_rounding(key)
+        params = {"w": jnp.full((64,), 1.0, jnp.bfloat16)}
+        state = tx.init(params)
+        keys = []
+        for _ in range(3):
+            updates, state = tx.update({"w": jnp.full((64,), 1e-3)}, state, params)
+            params = optax.apply_updates(params, updates)
+            keys.append(np.asarray(state.key))
+        return np.asarray(params["w"].astype(jnp.float32)), keys
+
+    a, keys_a = run(jax.random.key(5))
+    b, _ = run(jax.random.PRNGKey(5))  # the raw form of the same key
+    c, _ = run(6)  # an int seed: jax.random.key(6)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert len({k.tobytes() for k in keys_a}) == 3  # a new key at every update
+
+
+# ---- exact state transitions: skipped steps, accumulation ----------------------------------
+
+
+def _state16(key=0):
+    return optax.chain(
+        ao.low_precision_state(optax.adam(1e-2), jnp.float8_e4m3fn, key=key + 1),
+        ao.stochastic_rounding(key + 2),
+    )
+
+
+def _loss(params, x):
+    return jnp.mean(jnp.tanh(x @ params["w"]) * (1 + params["b"])) + jnp.sum(params["scale"] ** 2)
+
+
+@pytest.mark.parametrize(
+    "compute",
+    [
+        jnp.bfloat16,
+        pytest.param(jnp.float16, marks=pytest.mark.slow),
+        pytest.param("fp8", marks=pytest.mark.slow),
+    ],
+)
+def test_a_skipped_step_of_the_optax_face_keeps_everything_bit_for_bit(compute):
+    params = _float_params(_params())
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+    amp_loss = autocast.amp(_loss, compute_dtype=compute)
+    tx = ao.dynamic_loss_scaling(_state16())
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x):
+        scale = ao.loss_scale_of(state)
+        grads = jax.grad(lambda p: scale.scale(amp_loss(p, x)))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    params, state, _ = step(params, state, x)  # a good step first: nothing at its default
+    before = (params, state.inner.inner_state)
+    new_params, state, updates = step(params, state, x.at[3, 1].set(jnp.inf))
+    assert int(ao.skipped_steps(state)) == 1
+    assert all(u.dtype == F32 for u in jax.tree_util.tree_leaves(updates))
+    _assert_bit_identical(new_params, before[0], "parameters")
+    _assert_bit_identical(state.inner.inner_state, before[1], "moments and both keys")
+    new_params, state, _ = step(new_params, state, x)  # and it trains on
+    assert not np.array_equal(np.asarray(new_params["w"]), np.asarray(params["w"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", ["jaxamp", "jmp"])
+def test_a_skipped_step_of_the_other_faces_keeps_everything_bit_for_bit(face):
+    params = _float_params(_params())
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+    amp_loss = autocast.amp(_loss, compute_dtype=jnp.float16)
+    tx = _state16()
+
+    @jax.jit
+    def step(params, opt_state, scaler, x):
+        if face == "jaxamp":
+            scaler, grads = autocast.dynamic_scale_grad(amp_loss)(
+                params, x, dynamic_scaler_state=scaler
+            )
+        else:
+            grads = scaler.unscale(jax.grad(lambda p: scaler.scale(amp_loss(p, x)))(params))
+            scaler = scaler.adjust(autocast.all_finite(grads))
+        finite = autocast.all_finite(grads)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        return (*autocast.select_tree(finite, (new_params, new_state), (params, opt_state)), scaler)
+
+    scaler = (
+        autocast.DynamicScalerState()
+        if face == "jaxamp"
+        else autocast.DynamicLossScale(jnp.float32(2.0**15))
+    )
+    params, opt_state, scaler = step(params, tx.init(params), scaler, x)
+    after, state_after, _ = step(params, opt_state, scaler, x.at[0, 0].set(jnp.nan))
+    _assert_bit_identical(after, params, "parameters")
+    _assert_bit_identical(state_after, opt_state, "moments and keys")
+
+
+@pytest.mark.slow
+def test_accumulation_inside_the_scaling_with_clipping():
+    params = _float_params(_params())
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+    amp_loss = autocast.amp(_loss, compute_dtype=jnp.float16)
+    inner = optax.chain(
+        ao.low_precision_state(
+            optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)), jnp.bfloat16, key=1
+        ),
+        ao.stochastic_rounding(2),
+    )
+    tx = ao.dynamic_loss_scaling(optax.MultiSteps(inner, 2).gradient_transformation())
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x):
+        scale = ao.loss_scale_of(state)
+        grads = jax.grad(lambda p: scale.scale(amp_loss(p, x)))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    history = [params]
+    for i, bad in enumerate([False, False, True, False, False]):
+        params, state = step(params, state, x.at[1, 1].set(jnp.inf) if bad else x)
+        history.append(params)
+    same = [
+        np.array_equal(np.asarray(a["w"]), np.asarray(b["w"])) for a, b in zip(history, history[1:])
+    ]
+    # microbatches 1 and 2 make one update; 3 overflows and is skipped whole; 4 and 5 the next
+    assert same == [True, False, True, True, False], same
+    assert int(ao.skipped_steps(state)) == 1
+    assert params["w"].dtype == BF16
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, says",
+    [
+        (jnp.float16, "float16 spans"),
+        (jnp.float8_e5m2, "e5m2"),
+        (jnp.int8, "accepted: jnp.bfloat16"),
+        ("not a dtype", "accepted: jnp.bfloat16"),
+    ],
+)
+def test_a_dtype_the_state_cannot_be_stored_in_is_refused(dtype, says):
+    with pytest.raises(TypeError, match=says):
+        ao.low_precision_state(optax.adam(1e-3), dtype)
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="block_size"):
+        ao.low_precision_state(optax.adam(1e-3), jnp.float8_e4m3fn, block_size=0)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        ao.low_precision_state(lambda g: g)
+    with pytest.raises(TypeError, match="needs a key"):
+        ao.stochastic_rounding(None)
+    with pytest.raises(TypeError, match="PRNG key"):
+        ao.stochastic_rounding("seed")
+    with pytest.raises(TypeError, match="uint32 of shape"):
+        ao.stochastic_rounding(jnp.zeros((3,), jnp.uint32))
+    with pytest.raises(ValueError, match="one key"):
+        ao.stochastic_rounding(jax.random.split(jax.random.key(0), 2))
+    with pytest.raises(TypeError, match="low_precision_state: key"):
+        ao.low_precision_state(optax.adam(1e-3), key=1.5)
+    with pytest.raises(TypeError, match="bfloat16, float16, float32 or None"):
+        ao.kahan_summation(jnp.int8)
+
+
+def test_missing_parameters_and_8_bit_parameters_are_refused():
+    params = _params()
+    for tx in (ao.stochastic_rounding(0), ao.kahan_summation()):
+        state = tx.init(params)
+        with pytest.raises(ValueError, match="needs them"):
+            tx.update(_grads(params), state)
+        with pytest.raises(TypeError, match="not onto 8-bit floats"):
+            tx.init({"w": jnp.ones(3, jnp.float8_e4m3fn)})
+
+
+def test_states_of_another_configuration_are_refused():
+    params = _float_params(_params())
+    grads = _grads(params)
+    bf16 = ao.low_precision_state(optax.adam(1e-3), jnp.bfloat16)
+    fp8 = ao.low_precision_state(optax.adam(1e-3), jnp.float8_e4m3fn)
+    fp8_128 = ao.low_precision_state(optax.adam(1e-3), jnp.float8_e4m3fn, block_size=128)
+    keyed = ao.low_precision_state(optax.adam(1e-3), jnp.bfloat16, key=0)
+    with pytest.raises(ValueError, match="holds bfloat16 arrays; this transformation stores"):
+        fp8.update(grads, bf16.init(params), params)
+    with pytest.raises(ValueError, match="8-bit blocks of 256 values"):
+        fp8_128.update(grads, fp8.init(params), params)
+    with pytest.raises(ValueError, match="8-bit blocks"):
+        bf16.update(grads, fp8.init(params), params)
+    with pytest.raises(ValueError, match="made without a key"):
+        keyed.update(grads, bf16.init(params), params)
+    with pytest.raises(TypeError, match="takes a LowPrecisionState"):
+        bf16.update(grads, optax.adam(1e-3).init(params), params)
+    with pytest.raises(TypeError, match="takes a KahanState"):
+        ao.kahan_summation().update(grads, ao.stochastic_rounding(0).init(params), params)
+    with pytest.raises(TypeError, match="takes a StochasticRoundingState"):
+        ao.stochastic_rounding(0).update(grads, ao.kahan_summation().init(params), params)
+    rbg = ao.stochastic_rounding(jax.random.key(0, impl="rbg"))
+    with pytest.raises(ValueError, match="another configuration"):
+        rbg.update(grads, ao.stochastic_rounding(0).init(params), params)
+    other = {**params, "w": params["w"].astype(jnp.float32)}
+    with pytest.raises(ValueError, match="has a compensation of nothing"):
+        ao.kahan_summation().update(grads, ao.kahan_summation().init(other), params)
+
+
+def test_the_wrong_nesting_is_refused_with_the_right_one_named():
+    params = _float_params(_params())
+    with pytest.raises(TypeError, match=r"optax.chain\(low_precision_state\(opt\), stochastic"):
+        ao.low_precision_state(optax.chain(optax.adam(1e-3), ao.stochastic_rounding(0))).init(
+            params
+        )
+    with pytest.raises(TypeError, match="dynamic_loss_scaling\\(optax.chain"):
+        ao.low_precision_state(ao.dynamic_loss_scaling(optax.adam(1e-3))).init(params)
+
+
+# ---- a checkpoint and a resume --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_resume_from_an_orbax_checkpoint_runs_on_bit_for_bit(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = _float_params(_params())
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+    amp_loss = autocast.amp(_loss, compute_dtype=jnp.float16)
+
+    def make():
+        return ao.dynamic_loss_scaling(
+            optax.chain(
+                ao.low_precision_state(optax.adamw(1e-2), jnp.float8_e4m3fn, key=1),
+                ao.kahan_summation(),
+            )
+        )
+
+    tx = make()
+
+    @jax.jit
+    def step(state, x):
+        params, opt = state["params"], state["opt"]
+        scale = ao.loss_scale_of(opt)
+        grads = jax.grad(lambda p: scale.scale(amp_loss(p, x)))(params)
+        updates, opt = tx.update(grads, opt, params)
+        return {"params": optax.apply_updates(params, updates), "opt": opt}
+
+    state = {"params": params, "opt": tx.init(params)}
+    for i in range(3):
+        state = step(state, x.at[0, 0].set(jnp.inf) if i == 1 else x)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "state", state)
+    checkpointer.wait_until_finished()
+    # restored into what a fresh process makes: the parameters and a new init
+    fresh = {"params": params, "opt": make().init(params)}
+    restored = checkpointer.restore(tmp_path / "state", fresh)
+    checkpointer.close()
+    _assert_bit_identical(restored, state, "restored")
+    for _ in range(3):
+        state, restored = step(state, x), step(restored, x)
+    _assert_bit_identical(restored, state, "resumed")
+    assert int(ao.skipped_steps(state["opt"])) == 1
+
+
+def test_the_optax_face_unscales_16_bit_gradients_into_float32():
+    # a float16 parameter whose scaled gradient, 5e-4 at a scale of 2**15, unscales to 1.5e-8:
+    # below half of float16's smallest subnormal (6e-8), so in float16 it would be zero
+    params = {"h": jnp.ones((4,), jnp.float16), "w": jnp.ones((4,), jnp.float32)}
+    tx = ao.dynamic_loss_scaling(optax.adam(1e-3))
+    state = tx.init(params)
+    grads = {"h": jnp.full((4,), 5e-4, jnp.float16), "w": jnp.full((4,), 5e-4, jnp.float32)}
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    assert updates["h"].dtype == F32 and updates["w"].dtype == F32
+    assert np.all(np.asarray(updates["h"]) < 0)  # Adam's first step, -lr: the gradient arrived
+    # the inner state keeps its dtypes (Adam's moments follow the float16 parameter)
+    before = jax.tree_util.tree_map(lambda a: a.dtype, state.inner.inner_state)
+    after = jax.tree_util.tree_map(lambda a: a.dtype, new_state.inner.inner_state)
+    assert before == after
+    assert new_state.inner.inner_state[0].nu["h"].dtype == jnp.float16
+    assert optax.apply_updates(params, updates)["h"].dtype == jnp.float16
