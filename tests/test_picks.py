@@ -99,9 +99,13 @@ def test_float32_compute_keeps_the_program_as_written():
     loss = _cross_entropy(-1)
     jaxpr = jax.make_jaxpr(jax.grad(autocast.amp(loss, compute_dtype=jnp.float32)))(*args)
     assert eqns_named(jaxpr.jaxpr, "scatter-add") or eqns_named(jaxpr.jaxpr, "scatter_add")
-    np.testing.assert_array_equal(
+    # the same equations, but amp's are compiled as one program and the reference runs op by
+    # op: XLA's CPU kernels may then differ in the last bits (they do on JAX 0.12)
+    np.testing.assert_allclose(
         np.asarray(jax.grad(autocast.amp(loss, compute_dtype=jnp.float32))(*args)),
         np.asarray(jax.grad(loss)(*args)),
+        rtol=1e-5,
+        atol=1e-7,
     )
 
 
