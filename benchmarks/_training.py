@@ -23,7 +23,7 @@ def planned_history(loss: Callable[..., Any], params: Any, *batch: Any) -> Any:
     amax 1. None for any other loss."""
     if not isinstance(loss, autocast.DelayedFp8):
         return None
-    from autocast._src import fp8_history as fh
+    from autocast._src.fp8 import history as fh
 
     found: dict[str, Any] = {}
 

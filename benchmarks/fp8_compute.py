@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 import autocast
-from autocast._src import fp8
+from autocast._src.fp8 import products as fp8
 from autocast._src.tools import measure as _measure
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -6,7 +6,7 @@ layer's forward and backward (``jax.vjp`` of ``x @ w``) runs under ``amp`` with:
 
 - ``bf16``: ``compute_dtype=jnp.bfloat16``;
 - ``fp8 direct`` / ``fp8 dequantised``: ``compute_dtype="fp8"`` (current scaling) with the
-  float8 product written either way (``autocast._src.fp8.GEMM_FORMS``);
+  float8 product written either way (``autocast._src.fp8.products.GEMM_FORMS``);
 - ``delay direct`` / ``delay dequantised``: ``amp_fp8_delayed`` with a measured history.
 
 Columns: mean milliseconds per forward+backward, the float8 GEMMs XLA's compiled program calls
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import autocast
-from autocast._src import fp8
+from autocast._src.fp8 import products as fp8
 
 HERE = Path(__file__).parent
 SHAPES = {

@@ -14,7 +14,7 @@ import pytest
 
 import autocast
 import autocast.optax
-from autocast._src import fp8
+from autocast._src.fp8 import products as fp8
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

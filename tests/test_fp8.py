@@ -16,9 +16,9 @@ from conftest import eqns_named, operand_dtypes
 from hypothesis import given, settings
 
 import autocast
-from autocast._src import fp8
 from autocast._src.demo import models as _models
 from autocast._src.demo import run as demo
+from autocast._src.fp8 import products as fp8
 from autocast._src.tools import measure as _measure
 
 

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 
 import autocast
 from autocast import _compat
-from autocast._src import fp8
+from autocast._src.fp8 import products as fp8
 from autocast._src.tools import measure as _measure
 
 ROOT = Path(__file__).parents[1]

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 
 import autocast
-from autocast._src import fp8
 from autocast._src.demo import models as _models
+from autocast._src.fp8 import products as fp8
 from autocast._src.tools import measure as _measure
 
 H = 4
@@ -246,6 +246,13 @@ def test_second_derivatives_are_refused():
         jax.hessian(lambda x: delayed(history, x, params))(x)
 
 
+@functools.cache
+def _tanh_step():
+    """One delayed-scaling product and its jitted step, compiled once for every example."""
+    delayed = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(jnp.tanh(x @ w)), history=H)
+    return delayed, jax.jit(functools.partial(_step, delayed))
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     scales=st.lists(
@@ -258,8 +265,7 @@ def test_history_is_the_last_finite_amaxes(scales):
     step on finite data gives finite gradients."""
     w = jnp.eye(4) * 0.5
     base = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
-    delayed = autocast.amp_fp8_delayed(lambda w, x: jnp.sum(jnp.tanh(x @ w)), history=H)
-    step = jax.jit(functools.partial(_step, delayed))
+    delayed, step = _tanh_step()
     history = delayed.init(w, base)
     seen = [_bound(_amax_bf16(base))] * H
     for s in scales:

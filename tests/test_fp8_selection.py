@@ -9,7 +9,7 @@ import pytest
 from conftest import eqns_named, operand_dtypes
 
 import autocast
-from autocast._src import fp8
+from autocast._src.fp8 import products as fp8
 
 F8 = {"float8_e4m3fn", "float8_e5m2"}
 

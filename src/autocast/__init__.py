@@ -10,8 +10,8 @@ and the line, where mixed precision lost accuracy or overflowed. Loss scaling fo
 ``DynamicScalerState`` with ``dynamic_scale_value_and_grad``, or ``autocast.optax`` (optional).
 """
 
-from autocast._src.fp8 import use_fp8_precision
-from autocast._src.fp8_history import DelayedFp8, Fp8History, amp_fp8_delayed
+from autocast._src.fp8.history import DelayedFp8, Fp8History, amp_fp8_delayed
+from autocast._src.fp8.products import use_fp8_precision
 from autocast._src.policy.dtypes import (
     Policy,
     cast_to_full,

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
-from autocast._src import fp8
-from autocast._src.tools import measure as _measure
+from autocast._src.fp8 import products as fp8
+from autocast._src.jaxprs import equations
 from autocast._src.transform import amp as _amp
 from autocast._src.transform.histories import Slots, inbox_shape
 
@@ -231,7 +231,7 @@ def _sizes(jaxpr: Any) -> set[float]:
     """Every size the program's shapes spell: each dimension, and the product of every set
     of an array's dimensions (a mean over some axes divides by one)."""
     sizes: set[float] = set()
-    for eqn in _measure.equations(jaxpr):
+    for eqn in equations(jaxpr):
         for v in (*eqn.invars, *eqn.outvars):
             shape = tuple(getattr(getattr(v, "aval", None), "shape", ()) or ())
             if len(shape) > 8:
@@ -268,7 +268,7 @@ def program_of(traced: Any) -> str:
     are left out."""
     sizes = _sizes(traced.jaxpr)
     parts = []
-    for eqn in _measure.equations(traced.jaxpr):
+    for eqn in equations(traced.jaxpr):
         if eqn.primitive.name not in _PLACEMENT:
             constants = [_constant(v, sizes) for v in eqn.invars if isinstance(v, _compat.Literal)]
             parts.append(

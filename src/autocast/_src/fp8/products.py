@@ -67,7 +67,7 @@ class Recipe:
     whether batched products (attention's) run in float8 too, which by default they do
     not (see :func:`_pays_in_float8`); and the scaling: ``history`` 0 is per-tensor current
     scaling, a positive ``history`` is delayed scaling from that many past steps' amax
-    (:mod:`autocast._src.fp8_history`). ``amp`` takes a recipe as its ``compute_dtype``."""
+    (:mod:`autocast._src.fp8.history`). ``amp`` takes a recipe as its ``compute_dtype``."""
 
     forward: np.dtype
     gradient: np.dtype
@@ -162,7 +162,7 @@ def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
     the format's largest finite value.
 
     >>> import jax.numpy as jnp
-    >>> from autocast._src.fp8 import quantise
+    >>> from autocast._src.fp8.products import quantise
     >>> q, s = quantise(jnp.array([0.5, -1.5, 3.0]), jnp.float8_e4m3fn)
     >>> q.dtype, q.astype(jnp.float32).tolist(), float(s) == 2.0**-7
     (dtype(float8_e4m3fn), [64.0, -192.0, 384.0], True)
@@ -640,7 +640,7 @@ def _binding(recipe: Recipe) -> Callable[..., Any]:
         key = (eqn.primitive, _frozen(params), recipe, (a.dtype, b.dtype), np.dtype(out_dtype))
         # Delayed scaling where the caller threads histories and this product is in the
         # program itself (not inside a loop, a branch or a re-traced call, see
-        # autocast._src.fp8_history); current scaling elsewhere.
+        # autocast._src.fp8.history); current scaling elsewhere.
         slots = ctx.fp8_history if recipe.history else None
         # every product that may run in float8 holds a history, so that one made on a batch
         # fits a program where the weight's size keeps this one in 16 bits (a first layer,

@@ -354,8 +354,8 @@ def use_own_precision(
 # rule -> bind(eqn, invars, params, ctx, parameters), in place of binding the primitive (ctx:
 # the interpreter's Context; parameters: per input, whether it is an input of the function
 # reached through data movement alone, a weight rather than a computed activation). Filled
-# where such a rule is defined (the scaled float8 products of :mod:`autocast._src.fp8`); each
-# casts as use_compute_precision does.
+# where such a rule is defined (the scaled float8 products of autocast._src.fp8.products);
+# each casts as use_compute_precision does.
 CUSTOM_BINDINGS: dict[Any, Callable[..., Any]] = {}
 
 

@@ -14,21 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from autocast import _compat
+from autocast._src.jaxprs import equations
 from autocast._src.tree import is_floating_dtype
 
 _REMAT_NAMES = frozenset({"remat2", "checkpoint"})
 MATMUL_NAMES = frozenset(
     {"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
 )
-
-
-def equations(jaxpr: Any) -> Iterator[Any]:
-    """Every equation of ``jaxpr`` (closed or open), sub-jaxprs included, depth first."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _compat.sub_jaxprs(eqn):
-            yield from equations(sub)
 
 
 def matmul_flops(eqn: Any) -> int:

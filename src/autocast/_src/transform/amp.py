@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, overload
 import jax
 
 from autocast import _compat
-from autocast._src import fp8
+from autocast._src.fp8 import products as fp8
 from autocast._src.policy.casting import cast_value
 from autocast._src.policy.dtypes import canonicalize_float_dtype, half_dtype
 from autocast._src.policy.precision import is_compute_rule

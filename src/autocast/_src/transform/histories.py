@@ -1,5 +1,5 @@
 """Handing float8 amax histories to the products that take one (delayed scaling, see
-:mod:`autocast._src.fp8_history`).
+:mod:`autocast._src.fp8.history`).
 
 The interpreter's :class:`~autocast._src.transform.interpreter.Context` carries a
 :class:`Slots`; each float8 product with delayed scaling takes the next slot from it in the
@@ -16,8 +16,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-# columns of an inbox: the exponent bins of an amax and a count of uses (autocast._src.fp8)
-from autocast._src.fp8 import INBOX
+# columns of an inbox: the exponent bins of an amax and a count of uses (autocast._src.fp8.products)
+from autocast._src.fp8.products import INBOX
 
 
 class Taken(NamedTuple):

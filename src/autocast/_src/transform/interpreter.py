@@ -142,7 +142,7 @@ class Context:
     # those it was shown (the debugger marks them), or None to leave them as they are.
     observer: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
     # The float8 amax histories a delayed-scaling caller threads through this evaluation
-    # (autocast._src.fp8_history), or None. Only equations evaluated in place take them: a
+    # (autocast._src.fp8.history), or None. Only equations evaluated in place take them: a
     # loop body, a branch or a re-traced call is cached and bound as one equation, so its
     # products cannot take a history per call (they keep current scaling).
     fp8_history: Any = dataclasses.field(default=None, compare=False)

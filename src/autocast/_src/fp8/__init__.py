@@ -1,0 +1,1 @@
+"""Float8: the scaled products (``products``) and delayed scaling's histories (``history``)."""
