@@ -90,9 +90,11 @@ test-fast: $(VENV)/.installed
 	fi
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
+# The oldest and the newest JAX run every test but those marked once: long training runs and
+# benchmark scripts whose verdict does not hinge on the JAX version, which make test runs.
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
-	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not once" $(PYTEST_ARGS)
 
 test-newest:
 	@.ci/newest_python.sh $(MAKE)
@@ -102,7 +104,7 @@ test-newest:
 newest-suite: $(NEWEST_VENV)/.installed
 	$(NEWEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}"); \
 		assert jax.__version__ == "$(NEWEST_JAX)", "$(NEWEST_VENV) holds another JAX"'
-	$(NEWEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(NEWEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not once" $(PYTEST_ARGS)
 
 # Leaves the Debian root (.newest-root/) alone: it takes minutes to build and is reused.
 clean:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -93,3 +96,27 @@ def _no_x64_leak():
     before = jax.config.jax_enable_x64
     yield
     assert jax.config.jax_enable_x64 == before
+
+
+ROOT = Path(__file__).parents[1]
+# make gpu-plan's venv: JAX with its CUDA plugin, which compiles for a GPU without one
+GPU_PLAN_VENV = ROOT / ".venv-gpu-plan"
+needs_gpu_plan_venv = pytest.mark.skipif(
+    not (GPU_PLAN_VENV / ".installed").exists(), reason="make gpu-plan builds .venv-gpu-plan"
+)
+
+
+def gpu_plans(tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """``benchmarks/gpu_plan.py *args`` run in make gpu-plan's venv: (its plans by row, what
+    it printed)."""
+    out = tmp_path / "plan.json"
+    done = subprocess.run(
+        [str(GPU_PLAN_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "gpu_plan.py")]
+        + [*args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text()), done.stdout

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
+# trains models or runs subprocesses: make test-fast leaves them out; the scripts measure, and
+# do not hinge on the JAX version, so only make test runs them
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 bench = load_script(Path(__file__).parents[1] / "benchmarks" / "bench.py")
 

@@ -15,6 +15,7 @@ import autocast
 from autocast._src.demo import run as demo
 
 
+@pytest.mark.once
 @pytest.mark.slow
 def test_demo_runs_and_writes_table_plot_and_figures(tmp_path, capsys):
     results = demo.run(steps=12, out=tmp_path)

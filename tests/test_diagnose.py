@@ -214,6 +214,7 @@ def test_bad_input_names_the_culprit():
         autocast.diagnose(jnp.sin, amp_policy=[1])
 
 
+@pytest.mark.once
 @pytest.mark.slow
 def test_command_line_diagnoses_the_demo_model_and_the_suggestion_cures_it(capsys):
     from autocast.__main__ import main

@@ -100,6 +100,7 @@ def test_flax_linen_example_runs_scanned_remat_blocks_in_bfloat16():
     assert all(d == ("bfloat16", "bfloat16") for d in operand_dtypes(jaxpr, "dot_general"))
 
 
+@pytest.mark.once
 def test_equinox_diffrax_example_trains_a_neural_ode_like_float32():
     results = _load("equinox_diffrax").train(steps=20)
     _learns_like_float32(results["float32"]["losses"], results["amp"]["losses"], rtol=0.1)

@@ -101,6 +101,7 @@ def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients
     assert _measure.relative_error(grads, grads32) < 0.2
 
 
+@pytest.mark.once
 @pytest.mark.slow
 def test_training_150_adam_steps_ends_within_5_percent_of_bfloat16():
     params, _ = _demo_gpt()

@@ -7,9 +7,6 @@ its venv."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import types
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gpu_plans, needs_gpu_plan_venv
 from hypothesis import given, settings
 
 import autocast
@@ -234,25 +232,14 @@ def _plugin_python() -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (ROOT / ".venv-gpu-plan" / ".installed").exists(),
-    reason="make gpu-plan builds .venv-gpu-plan",
-)
+@needs_gpu_plan_venv
 def test_the_gpu_plan_fuses_the_scales_into_float8_gemms_that_write_bfloat16(tmp_path):
     # the layer at its real size (8192 x 1024 -> 4096, a few seconds a compile): at a tiny one
     # the scales' own few bytes decide which temporaries are larger
-    out = tmp_path / "plan.json"
     rows = "linear/bf16/-;linear/fp8/-;linear/fp8 dq/-"
-    done = subprocess.run(
-        [str(_plugin_python()), str(ROOT / "benchmarks" / "gpu_plan.py"), "--brief"]
-        + ["--devices", "H100", "--rows", rows, "--triton", "on,off", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        timeout=600,
+    plans, _ = gpu_plans(
+        tmp_path, "--brief", "--devices", "H100", "--rows", rows, "--triton", "on,off"
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    plans = json.loads(out.read_text())
 
     def plan(variant, triton):
         return plans[f"linear / {variant} / - / H100 / Triton GEMM {triton}"]

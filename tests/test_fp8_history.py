@@ -277,6 +277,7 @@ def test_history_is_the_last_finite_amaxes(scales):
         np.testing.assert_array_equal(history.amax[0][0], np.asarray(seen, np.float32))
 
 
+@pytest.mark.once
 @pytest.mark.slow
 def test_gpt_trains_with_delayed_scaling_as_with_current_scaling():
     config = dict(vocab=32, d=32, layers=2, seq=16)

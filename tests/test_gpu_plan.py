@@ -6,14 +6,11 @@ CUDA plugin is 5.5 GB, so the suite does not install it)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import gpu_plans, load_script, needs_gpu_plan_venv
 
 ROOT = Path(__file__).parents[1]
 xla_program = load_script(ROOT / "benchmarks" / "xla_program.py")
@@ -72,29 +69,12 @@ def test_measured_figures_are_those_of_the_docs_gpu_table():
     assert len(figures) == 15 and all(f"| {value} |" in gpu for value in figures)
 
 
-def _plugin_python() -> Path:
-    return ROOT / ".venv-gpu-plan" / "bin" / "python"
-
-
-def _has_plugin_venv() -> bool:
-    return (ROOT / ".venv-gpu-plan" / ".installed").exists()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_plugin_venv(), reason="make gpu-plan builds .venv-gpu-plan")
+@needs_gpu_plan_venv
 def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
-    out = tmp_path / "plan.json"
     rows = "linear/fp8/-;GPT-2 small/amp bf16/fused"
-    done = subprocess.run(
-        [str(_plugin_python()), str(ROOT / "benchmarks" / "gpu_plan.py"), "--tiny"]
-        + ["--devices", "H100", "--rows", rows, "--triton", "off", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    plans = json.loads(out.read_text())
+    args = ["--tiny", "--devices", "H100", "--rows", rows, "--triton", "off"]
+    plans, printed = gpu_plans(tmp_path, *args)
     linear = plans["linear / fp8 / - / H100 / Triton GEMM off"]
     gpt = plans["GPT-2 small / amp bf16 / fused / H100 / Triton GEMM off"]
     # the float8 products became float8 cuBLASLt GEMMs, and the attention cuDNN's kernel
@@ -102,4 +82,4 @@ def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
     assert gpt["kernels"]["cuDNN attention"]["launches"] >= 2
     for p in (linear, gpt):
         assert p["peak_mib"] > p["temporaries_mib"] > 0 and p["buffers"]
-    assert "largest buffers live at the peak" in done.stdout
+    assert "largest buffers live at the peak" in printed

@@ -41,6 +41,7 @@ def test_a_linen_gpt_with_embed_and_scanned_remat_blocks_keeps_16_bit_activation
     assert rows["amp bf16"]["grad_err"] < 0.05
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("name", ["CNN BatchNorm", "CNN GroupNorm"])
 def test_conv_nets_train_200_steps_to_float32s_loss(name):
     make, batches = FAMILIES[name]

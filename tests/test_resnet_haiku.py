@@ -100,6 +100,7 @@ def _flat(tree):
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
 
 
+@pytest.mark.once
 def test_amp_trains_like_float32(runs):
     f32_losses, _, _ = runs["float32"]
     amp_losses, _, _ = runs["amp"]

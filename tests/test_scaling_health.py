@@ -141,6 +141,7 @@ def test_every_device_decides_alike_and_a_poisoned_example_costs_no_scale():
     np.testing.assert_array_equal(np.asarray(state.skipped_in_a_row), np.ones(4))
 
 
+@pytest.mark.once
 @settings(max_examples=6, deadline=None)
 @given(faults=st.lists(st.booleans(), min_size=12, max_size=12), overflow=st.booleans())
 def test_random_fault_schedules(faults, overflow):

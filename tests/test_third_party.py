@@ -315,6 +315,7 @@ def test_diffrax_neural_ode(adjoint):
     assert np.dtype(BF16) in matmul_dtypes(jaxpr)
 
 
+@pytest.mark.once
 @pytest.mark.slow
 def test_diffrax_neural_ode_trains():
     model = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=KEYS[3])

@@ -200,6 +200,19 @@ def _loss(params, x):
     return jnp.mean(jnp.tanh(x @ params["w"]) * (1 + params["b"])) + jnp.sum(params["scale"] ** 2)
 
 
+def _optax_face_step(amp_loss, tx):
+    """A jitted step under the optax face: (parameters, state, the updates)."""
+
+    @jax.jit
+    def step(params, state, x):
+        scale = ao.loss_scale_of(state)
+        grads = jax.grad(lambda p: scale.scale(amp_loss(p, x)))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    return step
+
+
 @pytest.mark.parametrize(
     "compute",
     [
@@ -214,14 +227,7 @@ def test_a_skipped_step_of_the_optax_face_keeps_everything_bit_for_bit(compute):
     amp_loss = autocast.amp(_loss, compute_dtype=compute)
     tx = ao.dynamic_loss_scaling(_state16())
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, x):
-        scale = ao.loss_scale_of(state)
-        grads = jax.grad(lambda p: scale.scale(amp_loss(p, x)))(params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, updates
-
+    step = _optax_face_step(amp_loss, tx)
     params, state, _ = step(params, state, x)  # a good step first: nothing at its default
     before = (params, state.inner.inner_state)
     new_params, state, updates = step(params, state, x.at[3, 1].set(jnp.inf))
@@ -279,17 +285,10 @@ def test_accumulation_inside_the_scaling_with_clipping():
     )
     tx = ao.dynamic_loss_scaling(optax.MultiSteps(inner, 2).gradient_transformation())
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, x):
-        scale = ao.loss_scale_of(state)
-        grads = jax.grad(lambda p: scale.scale(amp_loss(p, x)))(params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = _optax_face_step(amp_loss, tx)
     history = [params]
-    for i, bad in enumerate([False, False, True, False, False]):
-        params, state = step(params, state, x.at[1, 1].set(jnp.inf) if bad else x)
+    for bad in [False, False, True, False, False]:
+        params, state, _ = step(params, state, x.at[1, 1].set(jnp.inf) if bad else x)
         history.append(params)
     same = [
         np.array_equal(np.asarray(a["w"]), np.asarray(b["w"])) for a, b in zip(history, history[1:])
