@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require
+from conftest import ROOT, load_script, require
 
 import autocast
 from autocast._src.tools import measure as _measure
@@ -277,27 +277,13 @@ diffrax = require("diffrax")
 optx = require("optimistix")
 lx = require("lineax")
 
-TS = jnp.linspace(0.0, 1.0, 5)
-TARGET = jnp.stack([jnp.cos(TS), jnp.sin(TS)], -1)
+# the neural ODE and the root find the third-party benchmark solves, from its script
+_bench = load_script(ROOT / "benchmarks" / "third_party.py")
+neural_ode_loss, root_loss = _bench.neural_ode_loss, _bench.root_loss
 
 
 def ode_loss(adjoint):
-    def loss(model):
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, m: m(y)),
-            diffrax.Tsit5(),
-            0.0,
-            1.0,
-            0.1,
-            jnp.array([1.0, 0.0]),
-            args=model,
-            saveat=diffrax.SaveAt(ts=TS),
-            stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
-            adjoint=adjoint,
-        )
-        return jnp.mean((sol.ys - TARGET) ** 2)
-
-    return loss
+    return lambda model: neural_ode_loss(model, adjoint=adjoint)
 
 
 @pytest.mark.slow
@@ -333,18 +319,7 @@ def test_diffrax_neural_ode_trains():
 
 
 def ode_from(model, y0):
-    sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(lambda t, y, m: m(y)),
-        diffrax.Tsit5(),
-        0.0,
-        1.0,
-        0.1,
-        y0,
-        args=model,
-        saveat=diffrax.SaveAt(ts=TS),
-        stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
-    )
-    return jnp.mean((sol.ys - TARGET) ** 2)
+    return neural_ode_loss(model, y0)
 
 
 def batched_ode_loss(model, y0s):
@@ -368,18 +343,6 @@ def test_diffrax_neural_ode_under_vmap():
     want = eqx.filter_grad(batched_ode_loss)(model, y0s)
     assert dtypes(got) == dtypes(want)
     assert _measure.relative_error(got, want) < 0.1
-
-
-def root_loss(w):
-    # Newton's tolerance matches bfloat16's resolution: a function evaluated in 16 bits cannot
-    # be driven below its own rounding (see docs/third_party.md on iterative solvers).
-    sol = optx.root_find(
-        lambda y, a: jnp.tanh(a @ y) + y - 1.0,
-        optx.Newton(rtol=1e-2, atol=1e-2),
-        jnp.zeros(2),
-        args=w,
-    )
-    return jnp.sum(sol.value**2)
 
 
 @pytest.mark.slow
