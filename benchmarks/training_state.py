@@ -135,26 +135,17 @@ def make_step(loss: Callable[..., Any], tx: optax.GradientTransformation, scaled
     return step
 
 
-def state_bytes(tree: Any) -> int:
-    """Bytes of every array leaf (shapes and dtypes suffice: abstract trees count too)."""
-    return sum(
-        int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-        for x in jax.tree_util.tree_leaves(tree)
-        if hasattr(x, "shape") and hasattr(x, "dtype")
-    )
-
-
 def bytes_per_parameter(params: Any, choice: Choice) -> dict[str, float]:
     """Parameters, gradients and optimizer state, per parameter, for ``choice``."""
     typed = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, choice.params), params)
     n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
     state = jax.eval_shape(optimizer(choice, 1000).init, typed)
-    p = state_bytes(typed) / n
+    p = _demo.array_bytes(typed) / n
     return {
         "params": p,
         "grads": p,
-        "state": state_bytes(state) / n,
-        "total": 2 * p + state_bytes(state) / n,
+        "state": _demo.array_bytes(state) / n,
+        "total": _demo.state_bytes_per_parameter(typed, state),
     }
 
 

@@ -10,6 +10,7 @@ progress bar per run, then a table, and writes a plot and the figures to ``--out
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -106,15 +107,20 @@ def _state16(optimizer: Any, params: Any, seed: int) -> tuple[Any, Any]:
     return optimizer, params
 
 
+def array_bytes(tree: Any) -> int:
+    """Bytes of the array leaves of ``tree`` (shapes and dtypes suffice: abstract trees too)."""
+    return sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree_util.tree_leaves(tree)
+        if hasattr(x, "shape") and hasattr(x, "dtype")
+    )
+
+
 def state_bytes_per_parameter(params: Any, opt_state: Any) -> float:
     """Bytes of the training state per parameter: parameters, their gradients (amp returns
     them in the parameters' dtypes) and the optimizer state."""
-    n = sum(int(np.size(p)) for p in jax.tree_util.tree_leaves(params))
-
-    def held(tree: Any) -> int:
-        return sum(int(np.size(x)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
-
-    return (2 * held(params) + held(opt_state)) / n
+    n = sum(math.prod(p.shape) for p in jax.tree_util.tree_leaves(params))
+    return (2 * array_bytes(params) + array_bytes(opt_state)) / n
 
 
 def run(

@@ -27,7 +27,7 @@ from autocast._src.scaling.core import (
 )
 from autocast._src.scaling.jaxamp import DynamicScalerState
 from autocast._src.scaling.jmp import DynamicLossScale, LossScale
-from autocast._src.tree import is_array, is_floating_dtype, is_inexact_dtype
+from autocast._src.tree import is_array, is_inexact_dtype, map_floating
 
 # Marks the update function of every transformation dynamic_loss_scaling builds, so that
 # wrapping one in another (which would unscale the gradients twice) is refused at once.
@@ -183,7 +183,7 @@ def dynamic_loss_scaling(
         del extra_args  # other transformations' extra arguments, passed along by optax.chain
         # 16-bit gradients are unscaled into float32: in their own dtype the smallest would
         # flush to zero, which is what scaling the loss kept them from
-        grads = state.loss_scale.unscale(jax.tree_util.tree_map(_widened, grads))
+        grads = state.loss_scale.unscale(_widened(grads))
         # the loss, where the caller gives it: a NaN loss skips the step even where the
         # gradients are finite (a NaN from a term the parameters do not reach); a Python
         # float counts as the array it stands for
@@ -219,11 +219,11 @@ def dynamic_loss_scaling(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _widened(x: Any) -> Any:
-    """A 16-bit (or narrower) floating array in float32; anything else as it is."""
-    if is_array(x) and is_floating_dtype(x.dtype) and jnp.dtype(x.dtype).itemsize < 4:
-        return x.astype(jnp.float32)
-    return x
+def _widened(tree: Any) -> Any:
+    """``tree`` with its 16-bit (or narrower) floating arrays in float32."""
+    return map_floating(
+        lambda x: x.astype(jnp.float32) if jnp.dtype(x.dtype).itemsize < 4 else x, tree
+    )
 
 
 def _float32_updates(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -236,7 +236,7 @@ def _float32_updates(inner: optax.GradientTransformation) -> optax.GradientTrans
 
     def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         updates, new_state = inner.update(grads, state, params, **extra_args)
-        updates = jax.tree_util.tree_map(_widened, updates)
+        updates = _widened(updates)
         try:
             new_state = jax.tree_util.tree_map(
                 lambda new, old: (

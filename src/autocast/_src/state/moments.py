@@ -14,7 +14,7 @@ from autocast._src.state import bits as _bits
 from autocast._src.state import blocks, rounding
 from autocast._src.state.keys import StoredKey
 from autocast._src.state.params import KahanState, StochasticRoundingState
-from autocast._src.tree import is_floating_array
+from autocast._src.tree import is_floating_array, map_floating
 
 _STORABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32))
 _ACCEPTED = "jnp.bfloat16, jnp.float8_e4m3fn (8 bits with a scale per block) or jnp.float32"
@@ -250,13 +250,8 @@ def low_precision_state(
 
 def _to_float32(tree: Any) -> Any:
     """Floating arrays of 32 bits or fewer in float32; other leaves as they are."""
-    return jax.tree_util.tree_map(
-        lambda x: (
-            x.astype(jnp.float32)
-            if is_floating_array(x) and jnp.dtype(x.dtype) in _COMPACTABLE
-            else x
-        ),
-        tree,
+    return map_floating(
+        lambda x: x.astype(jnp.float32) if jnp.dtype(x.dtype) in _COMPACTABLE else x, tree
     )
 
 
