@@ -7,15 +7,65 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
-import pytest
+# Most of the suite's time is XLA compiling small CPU programs that then run a few times, and
+# half of each compile is LLVM optimising machine code: the suite compiles at LLVM's -O0
+# (XLA's passes over the program, hence every jaxpr, HLO and memory figure, are unchanged; a
+# sample of the support matrix took 39 s instead of 66). Set before JAX starts its backend,
+# in every xdist worker; the processes tests start inherit it through the environment.
+COMPILE_FAST = "--xla_backend_optimization_level=0"
 
-from autocast._src.tools import measure as _measure
+
+def xla_flags(*flags: str) -> str:
+    """``XLA_FLAGS`` with ``flags`` added to what the environment holds (the suite's
+    ``COMPILE_FAST`` among it), for a process a test starts."""
+    held = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join([*held, *(f for f in flags if f not in held)])
+
+
+os.environ["XLA_FLAGS"] = xla_flags(COMPILE_FAST)
+
+# Tests compile the same small programs again and again (one test's model is another's, and
+# each xdist worker compiles its own): one persistent compilation cache for the whole run,
+# which its workers and the processes tests start share through the environment. Made by
+# the process pytest starts in, before it starts the workers; removed when it ends.
+_CACHE_MADE_HERE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _CACHE_MADE_HERE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autocast-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+_SUITE_ONLY = (
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+)
+
+
+def pytest_unconfigure(config: Any) -> None:
+    if _CACHE_MADE_HERE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def users_environ() -> dict[str, str]:
+    """The environment without what the suite adds to it (the compile flags, the shared
+    cache): for a script that must run as a user runs it (the GPU plan reads XLA's dumps,
+    which a cached program does not write)."""
+    env = {k: v for k, v in os.environ.items() if k not in _SUITE_ONLY}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if f != COMPILE_FAST]
+    env.pop("XLA_FLAGS", None)
+    return {**env, "XLA_FLAGS": " ".join(flags)} if flags else env
+
+
+import jax  # noqa: E402 - after XLA_FLAGS, which the backend reads when it starts
+import pytest  # noqa: E402
+
+from autocast._src.tools import measure as _measure  # noqa: E402
 
 
 def eqns_named(jaxpr: Any, name: str) -> list[Any]:
@@ -115,7 +165,7 @@ def gpu_plans(tmp_path: Path, *args: str) -> tuple[dict, str]:
         + [*args, "--json", str(out)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env={**users_environ(), "PYTHONPATH": str(ROOT / "src")},
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -43,7 +43,8 @@ def start() -> None:
     importing this file (pytest collects it for doctests) changes nothing."""
     global MESH, REPLICATED
     # before the backend starts: the host devices this process simulates
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES // PROCESSES}"
+    flags = f"--xla_force_host_platform_device_count={DEVICES // PROCESSES}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     join_processes()
     assert jax.device_count() == DEVICES and jax.process_count() == PROCESSES, jax.devices()
     MESH = jax.sharding.Mesh(np.array(jax.devices()), ("d",))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bind_closed_call, eqns_named, jaxpr_of, operand_dtypes
+from conftest import bind_closed_call, eqns_named, jaxpr_of, operand_dtypes, xla_flags
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -293,7 +293,7 @@ def test_shard_map_and_pmap_on_several_devices():
     script = Path(__file__).with_name("multidevice_check.py")
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
         "JAX_PLATFORMS": "cpu",
     }
     done = subprocess.run(

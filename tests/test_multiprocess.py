@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import COMPILE_FAST
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -65,7 +66,8 @@ def run_job(
     one dies, or when the job outlives ``timeout`` (a process waiting on a dead peer would
     otherwise hang the suite)."""
     port = str(free_port())
-    extra, env = env or {}, {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the suite's compile flags, not a device count the parent may have been given
+    extra, env = env or {}, {**os.environ, "XLA_FLAGS": COMPILE_FAST}
     env.update(
         {
             "JAX_PLATFORMS": "cpu",
@@ -77,7 +79,7 @@ def run_job(
     # the names docs/scaling_out.md's example reads, and the host devices it expects
     env.update({"COORDINATOR": f"localhost:{port}", "NUM_PROCESSES": str(processes), **extra})
     if script != CHILD:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // processes}"
+        env["XLA_FLAGS"] = f"{COMPILE_FAST} --xla_force_host_platform_device_count={4 // processes}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(

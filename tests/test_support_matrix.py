@@ -3,6 +3,7 @@ refused as the table says, and docs/support_matrix.md is that table."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import support_matrix as matrix
-from conftest import require
+from conftest import require, xla_flags
 
 _HEAVY_TRANSFORMS = {"eager", "scan", "fori_loop", "cond", "accumulate"}
 
@@ -23,7 +24,10 @@ def _param(cell):
     # unscaled in the quick subset, the rest with the slow ones
     if cell[3] in matrix.STATES:
         heavy = (cell[1], cell[2]) not in (("f16", "optax face"), ("bf16", "none"))
-    return pytest.param(cell, id="/".join(cell), marks=[pytest.mark.slow] if heavy else [])
+    marks = [pytest.mark.slow] if heavy else []
+    if not matrix.on_every_jax(cell):
+        marks.append(pytest.mark.once)
+    return pytest.param(cell, id="/".join(cell), marks=marks)
 
 
 @pytest.mark.parametrize(
@@ -50,15 +54,18 @@ def test_cell(cell):
 
 
 @pytest.mark.slow
-def test_cells_over_several_devices():
-    # one child process with 4 CPU devices runs them all (a device count is fixed at start)
+@pytest.mark.parametrize(
+    "every_jax", [True, pytest.param(False, marks=pytest.mark.once)], ids=["every JAX", "once"]
+)
+def test_cells_over_several_devices(every_jax):
+    # one child process with 4 CPU devices runs them (a device count is fixed at start)
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={matrix.DEVICES}",
+        "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={matrix.DEVICES}"),
         "JAX_PLATFORMS": "cpu",
     }
     done = subprocess.run(
-        [sys.executable, matrix.__file__, "--device-cells"],
+        [sys.executable, matrix.__file__, "--device-cells", "every-jax" if every_jax else "once"],
         env=env,
         capture_output=True,
         text=True,
@@ -66,7 +73,11 @@ def test_cells_over_several_devices():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    want = {"/".join(c) for c in matrix.cells() if c[3] in matrix.DEVICE_TRANSFORMS}
+    want = {
+        "/".join(c)
+        for c in matrix.cells()
+        if c[3] in matrix.DEVICE_TRANSFORMS and matrix.on_every_jax(c) == every_jax
+    }
     assert set(results) == want
     assert {cell: p for cell, p in results.items() if p} == {}
 
@@ -81,6 +92,20 @@ def test_every_pair_of_the_plain_axes_is_a_cell():
             assert any(cell[:2] == (f, c) for cell in cells)
         for tool in matrix.TOOLS:
             assert ("JAX", c, "none", tool) in cells
+
+
+def test_the_cells_on_every_jax_meet_every_pair_of_the_cube_s_axes():
+    kept = [c for c in matrix.cells() if matrix.on_every_jax(c)]
+    cube = [
+        c
+        for c in matrix.cells()
+        if c[0] == "JAX" and c[3] in matrix.TRANSFORMS + matrix.DEVICE_TRANSFORMS
+    ]
+    on_all = [c for c in cube if c in kept]
+    assert len(on_all) * len(matrix.SCALING) == len(cube)
+    for i, j in itertools.combinations(range(1, 4), 2):
+        assert {(c[i], c[j]) for c in on_all} == {(c[i], c[j]) for c in cube}, (i, j)
+    assert set(matrix.cells()) - set(cube) <= set(kept)
 
 
 def test_the_docs_table_is_the_tests_table():
