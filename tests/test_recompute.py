@@ -375,3 +375,27 @@ def test_a_chain_read_by_two_products_agrees_to_rounding_not_to_the_bit(monkeypa
         assert _measure.relative_error(a, b) < 0.01
         err_a, err_b = _measure.relative_error(a, r), _measure.relative_error(b, r)
         assert err_a < 0.02 and err_a < 1.25 * err_b
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_a_program_already_16_bit_keeps_its_gelu_s_input_only(dtype):
+    # 16-bit parameters (autocast.optax.stochastic_rounding) make the bias and the GELU
+    # 16-bit before amp sees them: the chain forms there too, in the program's dtype, and the
+    # gradients are those of the program as written
+    w1, w2, x = _mlp_args()
+    b1 = jnp.linspace(-1.0, 1.0, 128)
+    loss = lambda w1, b1, w2, x: jnp.sum(  # noqa: E731
+        (jax.nn.gelu(x @ w1 + b1) @ w2).astype(jnp.float32) ** 2
+    )
+    args = [a.astype(dtype) for a in (w1, b1, w2, x)]
+    amp = autocast.amp(loss, compute_dtype=dtype)
+    assert [a.dtype for a in hidden_residuals(loss, *args, shape=(64, 128))] == [dtype] * 6
+    assert [a.dtype for a in hidden_residuals(amp, *args, shape=(64, 128))] == [dtype]
+    assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args)) == 1
+    grads = jax.jit(jax.grad(amp, argnums=(0, 1, 2, 3)))(*args)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    for got, expected in zip(grads, want):
+        assert got.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2**-7, atol=1e-3
+        )

@@ -639,15 +639,17 @@ def _link_dtype(
     chain (:mod:`autocast._src.transform.recompute`); None where it runs as usual.
 
     A link is an elementwise equation (or a reshape) that :func:`apply_first_order` would
-    bind in the 16-bit dtype of a full-size activation, which another link gives or which
-    amp narrowed from the program's float32: its rule keeps the input dtype, every other
-    floating input adapts to it (a bias, a scale, a literal), and it does not go into a
-    wide region (no float32 rule, no float32 input, no ``1/x``, nothing float32 after it).
+    bind in the 16-bit dtype of a full-size activation, which another link gives, which amp
+    narrowed from the program's float32 or which the program computes in 16 bits: its rule
+    keeps the input dtype, every other floating input adapts to it (a bias, a scale, a
+    literal), and it does not go into a wide region (no float32 rule, no float32 input, no
+    ``1/x``, nothing float32 after it). The program's own 16-bit work keeps its dtype.
     """
     name = eqn.primitive.name
     if name not in recompute.LINKS or eqn.primitive.multiple_results:
         return None
-    if eqn.outvars[0].aval.dtype != np.float32:
+    out_dtype = eqn.outvars[0].aval.dtype
+    if out_dtype != np.float32 and out_dtype not in regions.SIXTEEN_BIT:
         return None
     rule = decide(eqn, ctx)
     if rule is use_precision_by_exponent:
@@ -671,7 +673,7 @@ def _link_dtype(
             continue
         elif not is_floating_dtype(getattr(x, "dtype", np.int32)):
             continue  # a predicate, an index
-        elif regions.narrowed(x, var):
+        elif regions.sixteen_bit(x, var):
             dtype = np.dtype(x.dtype)
             full = full or math.prod(np.shape(x)) == size
         else:
@@ -679,8 +681,8 @@ def _link_dtype(
         if found is not None and dtype != found:
             return None
         found = dtype
-    if found is None or not full:
-        return None
+    if found is None or not full or out_dtype not in (np.float32, found):
+        return None  # no activation, or the program's own 16-bit work in another dtype
     divisor = invals[1] if name == "div" else None
     if divisor is not None and math.prod(getattr(divisor, "shape", np.shape(divisor))) == size:
         return None  # 1/x of an activation: a wide region's
@@ -705,11 +707,13 @@ def _activation_link_dtype(eqn: Any, invals: Sequence[Any], ctx: Context, uses: 
     """The 16-bit dtype an activation function with a derivative rule of its own
     (``jax.nn.relu``, a ``custom_jvp`` whose body is elementwise work on one input) computes
     in, where it may be a link of a recomputed chain: its input is a full-size 16-bit
-    activation (amp narrowed it, a link gives it, or a wide region's does) and nothing after
-    it computes in float32 from it. None where it runs as usual: its handler binds it."""
+    activation (amp narrowed it, the program computes it in 16 bits, a link gives it, or a
+    wide region's does) and nothing after it computes in float32 from it. None where it
+    runs as usual: its handler binds it."""
     if eqn.primitive.name not in recompute.ACTIVATION_CALLS or len(eqn.outvars) != 1:
         return None
-    if len(invals) != 1 or eqn.outvars[0].aval.dtype != np.float32:
+    out_dtype = eqn.outvars[0].aval.dtype
+    if len(invals) != 1 or (out_dtype != np.float32 and out_dtype not in regions.SIXTEEN_BIT):
         return None
     if decide_by_scope(eqn, ctx) is not None or uses.feeds_float32(eqn.outvars[0]):
         return None
@@ -722,11 +726,13 @@ def _activation_link_dtype(eqn: Any, invals: Sequence[Any], ctx: Context, uses: 
         dtype = np.dtype(x.narrow_dtype) if full else None
     elif isinstance(x, recompute.Link):
         dtype = x.dtype if x.shape == shape else None
-    elif regions.narrowed(x, eqn.invars[0]) and tuple(np.shape(x)) == shape:
+    elif regions.sixteen_bit(x, eqn.invars[0]) and tuple(np.shape(x)) == shape:
         dtype = np.dtype(x.dtype)
     else:
         dtype = None
-    return dtype if dtype is not None and dtype.itemsize == 2 else None
+    if dtype is None or dtype.itemsize != 2 or out_dtype not in (np.float32, dtype):
+        return None
+    return dtype
 
 
 def _recomputed_product(eqn: Any, invals: Sequence[Any], ctx: Context) -> bool:

@@ -494,6 +494,20 @@ def narrowed(x: Any, var: Any) -> bool:
     return dtype is not None and np.dtype(dtype).itemsize == 2
 
 
+SIXTEEN_BIT = frozenset({np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)})
+
+
+def sixteen_bit(x: Any, var: Any) -> bool:
+    """Whether ``x`` is a 16-bit value a recomputed chain may start from: one amp narrowed
+    from the program's float32, or one the program itself computes in 16 bits (bfloat16
+    parameters make a model's bias and activation function 16-bit before amp sees them)."""
+    if narrowed(x, var):
+        return True
+    if isinstance(x, Wide) or _is_constant(x) or var.aval.dtype not in SIXTEEN_BIT:
+        return False
+    return getattr(x, "dtype", None) == var.aval.dtype
+
+
 def _activation_dtype(eqn: Any, invals: Sequence[Any], data: Sequence[bool]) -> Any:
     """The 16-bit dtype of a full-size data input amp narrowed from the program's float32."""
     shape = tuple(eqn.outvars[0].aval.shape)
