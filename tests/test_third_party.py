@@ -56,9 +56,10 @@ def matmul_dtypes(jaxpr) -> set:
     return found
 
 
-def check_three_ways(loss, args, *, tol, argnums=0):
+def check_three_ways(loss, args, *, tol, argnums=0, also=()):
     """Forward, grad(amp(f)) and amp(grad(f)) against float32, compiled together (one
-    compilation keeps the suite fast); returns the two gradient errors."""
+    compilation keeps the suite fast); returns the two gradient errors. ``also``: more
+    functions of ``args`` whose gradients must match float32's too (in the same program)."""
     amp_loss = autocast.amp(loss, compute_dtype=BF16)
     grad = lambda f: eqx.filter_grad(f) if argnums == 0 else jax.grad(f, argnums)  # noqa: E731
 
@@ -70,12 +71,13 @@ def check_three_ways(loss, args, *, tol, argnums=0):
             grad(loss)(*args),
             grad(amp_loss)(*args),
             autocast.amp(grad(loss), compute_dtype=BF16)(*args),
+            [grad(f)(*args) for f in also],
         )
 
-    value, amp_value, want, outside, inside = everything(*args)
+    value, amp_value, want, outside, inside, more = everything(*args)
     assert abs(float(amp_value) - float(value)) <= tol * abs(float(value)) + 1e-6
     errors = []
-    for got in (outside, inside):
+    for got in (outside, inside, *more):
         assert dtypes(got) == dtypes(want)
         errors.append(_measure.relative_error(got, want))
     assert max(errors) < tol, errors
@@ -336,13 +338,11 @@ def test_diffrax_neural_ode_under_vmap():
     # re-bound rule must pass on the symbolic zeros it gets, not arrays of zeros.
     model = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=KEYS[4])
     y0s = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.6, -0.8]])
-    check_three_ways(batched_ode_loss, (model, y0s), tol=0.1)  # grad(amp(vmap(...)))
     amp_ode = autocast.amp(ode_from, compute_dtype=BF16)
-    vmapped_amp = lambda m: jnp.mean(jax.vmap(lambda y0: amp_ode(m, y0))(y0s))  # noqa: E731
-    got = eqx.filter_jit(eqx.filter_grad(vmapped_amp))(model)
-    want = eqx.filter_grad(batched_ode_loss)(model, y0s)
-    assert dtypes(got) == dtypes(want)
-    assert _measure.relative_error(got, want) < 0.1
+    vmapped_amp = lambda m, y0s: jnp.mean(jax.vmap(lambda y0: amp_ode(m, y0))(y0s))  # noqa: E731
+    # grad(amp(vmap(...))), amp(grad(vmap(...))) and grad(vmap(amp(...)))
+    errors = check_three_ways(batched_ode_loss, (model, y0s), tol=0.1, also=[vmapped_amp])
+    assert len(errors) == 3
 
 
 @pytest.mark.slow
