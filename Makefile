@@ -17,8 +17,8 @@ NEWEST_VENV := .venv-newest-$(NEWEST_JAX)
 NEWEST_PYTHON ?=
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core; TEST_WORKERS=0 runs in this process. loadgroup:
-# the tests of an xdist_group run in one worker (the multi-process jobs, which the tests of
-# tests/test_multiprocess.py share: another worker would wait for them, idle).
+# the tests of an xdist_group run in one worker, so a module's costly fixture (the
+# multi-process jobs, the ResNet trainings, the built wheel) runs once and no worker waits.
 TEST_WORKERS ?= auto
 DEMO_ARGS ?=
 BENCH_ARGS ?=

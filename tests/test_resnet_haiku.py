@@ -19,7 +19,9 @@ from conftest import eqns_named, operand_dtypes, require
 import autocast
 from autocast._src.tools import measure as _measure
 
-pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
+# slow: trains models (make test-fast leaves it out). One xdist worker runs the module
+# (--dist loadgroup), so its fixture trains the two networks once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resnet_haiku")]
 
 hk = require("haiku")
 optax = require("optax")
