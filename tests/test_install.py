@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-# slow: builds a wheel and a virtual environment (make test-fast leaves it out). One xdist
-# worker runs the module (--dist loadgroup), so they are built once, not once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("install")]
+pytestmark = pytest.mark.slow  # builds a wheel and a virtual environment
 
 ROOT = Path(__file__).parents[1]
 

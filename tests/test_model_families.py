@@ -11,9 +11,7 @@ from conftest import load_script
 
 import autocast
 
-# slow: trains models (make test-fast leaves it out). One xdist worker runs the module
-# (--dist loadgroup), so its fixture measures the families once, not once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("model_families")]
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
 families = load_script(Path(__file__).parents[1] / "benchmarks" / "model_families.py")
 FAMILIES = {name: (make, batches) for name, make, batches in families.families()}

@@ -27,9 +27,7 @@ from conftest import COMPILE_FAST
 
 pytest.importorskip("orbax.checkpoint")
 
-# runs subprocesses: make test-fast leaves it out; one xdist worker runs the jobs and the
-# tests that read them (make test's --dist loadgroup), so no other worker waits for them
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+pytestmark = pytest.mark.slow  # runs subprocesses: make test-fast leaves it out
 
 ROOT = Path(__file__).parents[1]
 CHILD = Path(__file__).parent / "multiprocess_child.py"

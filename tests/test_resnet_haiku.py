@@ -19,9 +19,7 @@ from conftest import eqns_named, operand_dtypes, require
 import autocast
 from autocast._src.tools import measure as _measure
 
-# slow: trains models (make test-fast leaves it out). One xdist worker runs the module
-# (--dist loadgroup), so its fixture trains the two networks once, not once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resnet_haiku")]
+pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
 
 hk = require("haiku")
 optax = require("optax")
