@@ -36,15 +36,15 @@ os.environ["XLA_FLAGS"] = xla_flags(COMPILE_FAST)
 # which its workers and the processes tests start share through the environment. Made by
 # the process pytest starts in, before it starts the workers; removed when it ends.
 _CACHE_MADE_HERE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+# every program goes into the cache, however small and quick to compile
+_CACHE_SETTINGS = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
 if _CACHE_MADE_HERE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autocast-tests-xla-")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-_SUITE_ONLY = (
-    "JAX_COMPILATION_CACHE_DIR",
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
-)
+    os.environ.update(_CACHE_SETTINGS)
+_SUITE_ONLY = ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS", *_CACHE_SETTINGS)
 
 
 def pytest_unconfigure(config: Any) -> None:
@@ -57,8 +57,7 @@ def users_environ() -> dict[str, str]:
     cache): for a script that must run as a user runs it (the GPU plan reads XLA's dumps,
     which a cached program does not write)."""
     env = {k: v for k, v in os.environ.items() if k not in _SUITE_ONLY}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if f != COMPILE_FAST]
-    env.pop("XLA_FLAGS", None)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != COMPILE_FAST]
     return {**env, "XLA_FLAGS": " ".join(flags)} if flags else env
 
 

@@ -624,6 +624,8 @@ def apply_first_order(
 # The rules under which an elementwise equation computes in the dtype of the activation it
 # meets, so that it may be a link of a recomputed chain; a cube is one (the tanh-GELU's).
 _LINK_RULES = frozenset({use_input_precision, use_widest_precision})
+# The result dtypes a link may have: float32 work amp narrows, or the program's own 16-bit.
+_LINK_RESULTS = regions.SIXTEEN_BIT | {np.dtype(np.float32)}
 # Matrix products a chain is recomputed into (their operands are what they keep).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -649,7 +651,7 @@ def _link_dtype(
     if name not in recompute.LINKS or eqn.primitive.multiple_results:
         return None
     out_dtype = eqn.outvars[0].aval.dtype
-    if out_dtype != np.float32 and out_dtype not in regions.SIXTEEN_BIT:
+    if out_dtype not in _LINK_RESULTS:
         return None
     rule = decide(eqn, ctx)
     if rule is use_precision_by_exponent:
@@ -713,7 +715,7 @@ def _activation_link_dtype(eqn: Any, invals: Sequence[Any], ctx: Context, uses: 
     if eqn.primitive.name not in recompute.ACTIVATION_CALLS or len(eqn.outvars) != 1:
         return None
     out_dtype = eqn.outvars[0].aval.dtype
-    if len(invals) != 1 or (out_dtype != np.float32 and out_dtype not in regions.SIXTEEN_BIT):
+    if len(invals) != 1 or out_dtype not in _LINK_RESULTS:
         return None
     if decide_by_scope(eqn, ctx) is not None or uses.feeds_float32(eqn.outvars[0]):
         return None
