@@ -154,9 +154,14 @@ def _no_x64_leak():
 ROOT = Path(__file__).parents[1]
 # make gpu-plan's venv: JAX with its CUDA plugin, which compiles for a GPU without one
 GPU_PLAN_VENV = ROOT / ".venv-gpu-plan"
-needs_gpu_plan_venv = pytest.mark.skipif(
-    not (GPU_PLAN_VENV / ".installed").exists(), reason="make gpu-plan builds .venv-gpu-plan"
-)
+
+
+def needs_gpu_plan_venv(test: Callable) -> Callable:
+    """Marks a test that runs in make gpu-plan's venv: skipped where it is not built, and
+    once (its JAX is .venv's whichever suite runs the test)."""
+    built = (GPU_PLAN_VENV / ".installed").exists()
+    skip = pytest.mark.skipif(not built, reason="make gpu-plan builds .venv-gpu-plan")
+    return pytest.mark.once(skip(test))
 
 
 def gpu_plans(tmp_path: Path, *args: str) -> tuple[dict, str]:

@@ -76,9 +76,10 @@ def _train(loss_fn, params, state, images, labels, steps=STEPS, learning_rate=LE
     """``steps`` Adam steps; returns the losses, the first gradients and every state."""
     opt = optax.adam(learning_rate)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-    # ten steps or more run faster at LLVM's full optimisation than at the suite's -O0 (30
-    # steps of both runs: 28 s instead of 58); the first steps are cheaper compiled fast
-    options = RUN_FAST if steps >= 10 else None
+    # the 30 steps of the comparison run faster at LLVM's full optimisation than at the
+    # suite's -O0 (both runs: 28 s instead of 58); ten steps and fewer are cheaper compiled
+    # fast (at -O3 the four images' ten took 40 s instead of 28 on the oldest JAX)
+    options = RUN_FAST if steps >= STEPS else None
 
     @functools.partial(jax.jit, compiler_options=options)
     def step(params, state, opt_state):
