@@ -20,10 +20,6 @@ from typing import Any, Callable
 # sample of the support matrix took 39 s instead of 66). Set before JAX starts its backend,
 # in every xdist worker; the processes tests start inherit it through the environment.
 COMPILE_FAST = "--xla_backend_optimization_level=0"
-# jax.jit's compiler_options for a program that runs many steps (a training loop of tens of
-# steps or more): LLVM's full optimisation, XLA's default, which -O0 would make 1.5 to 2x
-# slower to run.
-RUN_FAST = {"xla_backend_optimization_level": 3}
 
 
 def xla_flags(*flags: str) -> str:
@@ -152,6 +148,9 @@ def _no_x64_leak():
 
 
 ROOT = Path(__file__).parents[1]
+# jax.jit's compiler_options for a loop of thirty steps or more: LLVM's full optimisation,
+# as the benchmarks' training runs ask for it (the steps run faster than at COMPILE_FAST)
+FULL_OPTIMISATION = load_script(ROOT / "benchmarks" / "_training.py").FULL_OPTIMISATION
 # make gpu-plan's venv: JAX with its CUDA plugin, which compiles for a GPU without one
 GPU_PLAN_VENV = ROOT / ".venv-gpu-plan"
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import RUN_FAST, eqns_named, operand_dtypes
+from conftest import FULL_OPTIMISATION, eqns_named, operand_dtypes
 from hypothesis import given, settings
 
 import autocast
@@ -109,7 +109,7 @@ def test_training_150_adam_steps_ends_within_5_percent_of_bfloat16():
     optimizer = optax.adam(3e-3)
 
     def train(loss_fn):
-        @functools.partial(jax.jit, compiler_options=RUN_FAST)
+        @functools.partial(jax.jit, compiler_options=FULL_OPTIMISATION)
         def step(p, s, t):
             value, grads = jax.value_and_grad(loss_fn)(p, t)
             updates, s = optimizer.update(grads, s, p)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import RUN_FAST, eqns_named, operand_dtypes, require
+from conftest import FULL_OPTIMISATION, eqns_named, operand_dtypes, require
 
 import autocast
 from autocast._src.tools import measure as _measure
@@ -79,7 +79,7 @@ def _train(loss_fn, params, state, images, labels, steps=STEPS, learning_rate=LE
     # the 30 steps of the comparison run faster at LLVM's full optimisation than at the
     # suite's -O0 (both runs: 28 s instead of 58); ten steps and fewer are cheaper compiled
     # fast (at -O3 the four images' ten took 40 s instead of 28 on the oldest JAX)
-    options = RUN_FAST if steps >= STEPS else None
+    options = FULL_OPTIMISATION if steps >= STEPS else None
 
     @functools.partial(jax.jit, compiler_options=options)
     def step(params, state, opt_state):

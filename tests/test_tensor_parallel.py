@@ -23,8 +23,8 @@ _PATIENCE = "--xla_cpu_collective_call_terminate_timeout_seconds=120"
 
 def _environ() -> dict[str, str]:
     """The user's environment (the script asks for its 8 devices itself): compiled at
-    LLVM's full optimisation, the steps between two collectives take half the time they
-    take at the suite's -O0, and with XLA's patience raised where this JAX knows the flag."""
+    LLVM's full optimisation, so the steps between two collectives are shorter than at the
+    suite's -O0, and with XLA's patience raised where this JAX knows the flag."""
     env = {**users_environ(), "JAX_PLATFORMS": "cpu"}
     patient = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {_PATIENCE}".strip()}
     probe = [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"]
