@@ -162,17 +162,19 @@ def test_equinox_stock_layers_under_amp():
     eqx, layers = _equinox_layers()
     for name, model, apply in layers:
         loss = lambda m: jnp.mean(apply(m).astype(jnp.float32) ** 2)  # noqa: E731
-        value, grads = eqx.filter_value_and_grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))(
-            model
-        )
-        want, want_grads = eqx.filter_value_and_grad(loss)(model)
+        amp_loss = autocast.amp(loss, compute_dtype=jnp.bfloat16)
+
+        @eqx.filter_jit  # one program for both: eager, every equation compiled one of its own
+        def both(m):
+            return [eqx.filter_value_and_grad(f)(m) for f in (amp_loss, loss)]
+
+        (value, grads), (want, want_grads) = both(model)
         np.testing.assert_allclose(value, want, rtol=3e-2, err_msg=name)
         got_leaves = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array))
         want_leaves = jax.tree_util.tree_leaves(eqx.filter(want_grads, eqx.is_array))
         assert [g.dtype for g in got_leaves] == [w.dtype for w in want_leaves], name
         assert _measure.relative_error(got_leaves, want_leaves) < 0.06, name
         params, static = eqx.partition(model, eqx.is_array)
-        amp_loss = autocast.amp(loss, compute_dtype=jnp.bfloat16)
         jaxpr = jax.make_jaxpr(lambda p: amp_loss(eqx.combine(p, static)))(params)
         products = operand_dtypes(jaxpr, "dot_general") + operand_dtypes(
             jaxpr, "conv_general_dilated"
