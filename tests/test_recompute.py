@@ -400,3 +400,87 @@ def test_a_program_already_16_bit_keeps_its_gelu_s_input_only(dtype):
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2**-7, atol=1e-3
         )
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_a_layer_norm_written_in_16_bits_keeps_its_input_only(dtype):
+    # With 16-bit parameters the layer norm runs in the program's dtype, as the model writes
+    # it: ``x - mean`` twice (for the variance and for the output), each kept as written for
+    # a derivative. The variance's chain and the normalisation's (recomputed with the next
+    # product) both read the input, so together they keep it once.
+    w1, w2, x = _mlp_args()
+    g, b = jnp.linspace(0.5, 1.5, 128), jnp.linspace(-0.1, 0.1, 128)
+
+    def loss(w1, g, b, w2, x):
+        h = x @ w1
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        y = (h - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+        return jnp.sum((y @ w2).astype(jnp.float32) ** 2)
+
+    args = [a.astype(dtype) for a in (w1, g, b, w2, x)]
+    amp = autocast.amp(loss, compute_dtype=dtype)
+    plain = hidden_residuals(loss, *args, shape=(64, 128))
+    assert len(plain) >= 2 and {a.dtype for a in plain} == {np.dtype(dtype)}
+    assert [a.dtype for a in hidden_residuals(amp, *args, shape=(64, 128))] == [dtype]
+    assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args)) == 2
+    values = jax.jit(amp)(*args), jax.jit(loss)(*args)
+    assert values[0] == values[1]  # the forward pass is the program's, bit for bit
+    grads = jax.jit(jax.grad(amp, argnums=(0, 1, 2, 3)))(*args)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    for got, expected in zip(grads, want):
+        assert got.dtype == dtype
+        scale = float(jnp.max(jnp.abs(expected.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=2**-6 * scale
+        )
+
+
+def _adds_in_checkpoints(jaxpr, shape):
+    """Full-size additions recomputed inside amp's chain checkpoints."""
+    found = 0
+    for e in _measure.equations(jaxpr):
+        if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is recompute_all:
+            inner = getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"])
+            found += sum(
+                1
+                for q in _measure.equations(inner)
+                if q.primitive.name == "add" and tuple(q.outvars[0].aval.shape) == shape
+            )
+    return found
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_chains_of_an_unrolled_16_bit_model_stop_at_values_already_bound(blocks):
+    # Each block's residual add is a link bound as written (the next block's norm and the
+    # residual stream both read it). A chain that walked back through it would recompute
+    # every earlier block's add at every norm (1, 4, 16 adds at 1, 2, 4 blocks); stopping
+    # at it, each chain keeps that value and recomputes its own block only.
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (64, 128), BF16)
+
+    def norm(h, g, b):
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+
+    def model(ps, x):
+        for w1, w2, g, b in ps:
+            x = x + jax.nn.relu(norm(x, g, b) @ w1) @ w2
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    w = [jax.random.normal(k[i], (128, 128), BF16) * 0.05 for i in (1, 2)]
+    ps = [(w[0], w[1], jnp.ones(128, BF16), jnp.zeros(128, BF16))] * blocks
+    amp = autocast.amp(model, compute_dtype=BF16)
+    assert _adds_in_checkpoints(jax.make_jaxpr(jax.grad(amp))(ps, x), (64, 128)) == blocks
+    # per block: the norm's input and the relu's (as written: each norm keeps x - mean
+    # twice besides, 3 * blocks + 1 arrays)
+    assert len(hidden_residuals(amp, ps, x, shape=(64, 128))) == 2 * blocks
+    assert len(hidden_residuals(model, ps, x, shape=(64, 128))) > 3 * blocks
+    assert jax.jit(amp)(ps, x) == jax.jit(model)(ps, x)
+    got, want = jax.jit(jax.grad(amp))(ps, x), jax.jit(jax.grad(model))(ps, x)
+    for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        scale = float(jnp.max(jnp.abs(e.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(e, np.float32), atol=2**-6 * scale
+        )
