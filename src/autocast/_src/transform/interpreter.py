@@ -291,23 +291,11 @@ class _Uses:
     softmax's ``exp``), and which ones only matrix products consume, directly or through data
     movement (a parameter gathered from its shards, an input marked as varying over devices)."""
 
-    __slots__ = ("_jaxpr", "_ctx", "_float32", "_compute", "_summed", "_chain_readers")
+    __slots__ = ("_jaxpr", "_ctx", "_float32", "_compute", "_summed")
 
     def __init__(self, jaxpr: Any, ctx: Context) -> None:
         self._jaxpr, self._ctx, self._float32, self._compute = jaxpr, ctx, None, None
-        self._summed = self._chain_readers = None
-
-    def chain_readers(self, var: Any) -> int:
-        """How many equations that a recomputed chain may hold read ``var``."""
-        if self._chain_readers is None:
-            counts: dict[Any, int] = {}
-            for eqn in self._jaxpr.eqns:
-                if eqn.primitive.name in recompute.LINKS:
-                    for v in eqn.invars:
-                        if not isinstance(v, _compat.Literal):
-                            counts[v] = counts.get(v, 0) + 1
-            self._chain_readers = counts
-        return 0 if isinstance(var, _compat.Literal) else self._chain_readers.get(var, 0)
+        self._summed = None
 
     def feeds_float32(self, var: Any) -> bool:
         if self._float32 is None:
@@ -665,11 +653,10 @@ def _link_dtype(
     out_dtype = eqn.outvars[0].aval.dtype
     if out_dtype not in _LINK_RESULTS:
         return None
-    own = out_dtype in regions.SIXTEEN_BIT  # the program's own 16-bit work, as written
     rule = decide(eqn, ctx)
     if rule is use_precision_by_exponent:
-        if eqn.params["y"] < 0 or not (own or eqn.params["y"] in INPUT_PRECISION_EXPONENTS):
-            return None  # a square of amp's narrowed work goes to float32; the program's stays
+        if eqn.params.get("y") not in INPUT_PRECISION_EXPONENTS or eqn.params["y"] < 0:
+            return None
     elif rule not in _LINK_RULES:
         return None
     if UNMAPPED in kinds:
@@ -701,9 +688,8 @@ def _link_dtype(
     divisor = invals[1] if name == "div" else None
     if divisor is not None and math.prod(getattr(divisor, "shape", np.shape(divisor))) == size:
         return None  # 1/x of an activation: a wide region's
-    if not own and uses.feeds_float32(eqn.outvars[0]):
-        return None  # the shift before a softmax's exp: a wide region's (16-bit work is no
-        # region's: a layer norm written in bfloat16 shifts and squares in chains)
+    if uses.feeds_float32(eqn.outvars[0]):
+        return None  # the shift before a softmax's exp: a wide region's
     return found
 
 
@@ -798,7 +784,7 @@ def eval_jaxpr(
     ``arg_kinds`` and ``const_kinds`` give the kind of each argument and constant (default:
     all RAW, the function's inputs).
     """
-    with cast_memo(), regions.traced_regions(), recompute.pending_links():
+    with cast_memo(), regions.traced_regions():
         outs, _ = _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds, const_kinds)
         return [_materialized(x) for x in outs]
 
@@ -946,8 +932,6 @@ def _eval_jaxpr(
                 kind_of[eqn.outvars[0]] = kind
                 continue
         if chains and handler is None:
-            if eqn.primitive.name in recompute.LINKS:
-                recompute.reading(invals, [uses.chain_readers(v) for v in eqn.invars])
             dtype = _link_dtype(eqn, invals, kinds, ctx, uses)
             if dtype is not None:
                 env[eqn.outvars[0]] = recompute.Link(

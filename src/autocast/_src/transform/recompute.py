@@ -107,10 +107,6 @@ class Link:
         self.bind = bind
         self._plain: Any = None
         self._alone: Any = None
-        if _readers:
-            for a in map(_registered, self.args):
-                if a is not None:
-                    _readers[-1][0].setdefault(id(a), []).append(self)
 
     @property
     def nbytes(self) -> int:
@@ -173,13 +169,6 @@ def _is_deferred(x: Any) -> bool:
     return getattr(type(x), "deferred", False)
 
 
-def _bound(node: Link) -> Any:
-    """The link's value where it was already bound (as written or alone), else None: a chain
-    reading it stops there and keeps that value, which exists anyway, rather than recompute
-    it from what it was computed from."""
-    return node._plain if node._plain is not None else node._alone
-
-
 def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
     """The links ``roots`` are computed from, in an order that evaluates each after its
     inputs, and the chain's inputs (arrays, by identity; deferred broadcasts are replayed
@@ -191,10 +180,6 @@ def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
     def leaf(a: Any) -> None:
         while _is_deferred(a):
             a = a.operand
-        if isinstance(a, Link):
-            if _readers:  # what reads the value is what reads the link (_shared)
-                _readers[-1][2][id(_bound(a))] = a  # the link holds the value: ids stay
-            a = _bound(a)
         if not _is_constant(a):
             leaves.setdefault(id(a), a)
 
@@ -203,7 +188,7 @@ def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
             return
         seen.add(id(node))
         for a in node.args:
-            if isinstance(a, Link) and _bound(a) is None:
+            if isinstance(a, Link):
                 visit(a)
             else:
                 leaf(a)
@@ -249,76 +234,11 @@ def _kept_as_written(order: Sequence[Link]) -> int:
     return sum(kept.values())
 
 
-# What the links of the program being evaluated read (innermost program last), by id: the
-# links that read each array or link, and how many equations a chain may hold are yet to
-# read it (with the value, so that its id is not reused), and the link each value bound
-# before a chain came from (a chain stops there: _walk). A layer norm written in bfloat16
-# reads its input in two chains (the variance's and the normalisation's); either alone
-# would keep the input, as large as the shift its equations keep as written, but together
-# they keep it once instead of two shifts.
-_readers: list[tuple[dict[int, list[Link]], dict[int, list], dict[int, Link]]] = []
-
-
-class pending_links:
-    """Within this context, links record what they read (see :func:`_shared`)."""
-
-    def __enter__(self) -> None:
-        _readers.append(({}, {}, {}))
-
-    def __exit__(self, *_: Any) -> None:
-        _readers.pop()
-
-
-def _registered(a: Any) -> Any:
-    while _is_deferred(a):
-        a = a.operand
-    return None if _is_constant(a) else a
-
-
-def reading(args: Sequence[Any], counts: Sequence[int]) -> None:
-    """Records that an equation a chain may hold reads ``args`` (link or not), of which the
-    program has ``counts[i]`` such readers in all (the interpreter knows the program)."""
-    if _readers:
-        left = _readers[-1][1]
-        for a, n in zip(map(_registered, args), counts):
-            if a is not None:
-                entry = left.setdefault(id(a), [a, n])
-                entry[1] -= 1
-
-
-def _shared(x: Any, order: Sequence[Link]) -> bool:
-    """Whether another chain than ``order`` keeps ``x``, or may: a link outside ``order``
-    reads it, or reads a link of ``order`` computed from it (a chain through that link
-    recomputes from ``x`` too, even where the link was also bound as written), or an
-    equation a chain may hold is yet to read either (the estimate assumes it will be a
-    link). Recomputing ``order`` from ``x`` then costs no bytes of ``x``."""
-    if not _readers:
-        return False
-    links, left, _ = _readers[-1]
-    mine = {id(n) for n in order}
-    todo, seen = [x], {id(x)}
-    while todo:
-        node = todo.pop()
-        entry = left.get(id(node))
-        if entry is not None and entry[1] > 0:
-            return True
-        for r in links.get(id(node), ()):
-            if id(r) in seen:
-                continue
-            if id(r) not in mine:
-                return True
-            seen.add(id(r))
-            todo.append(r)
-    return False
-
-
 def _worth_it(order: Sequence[Link], leaves: Sequence[Any], read_by_consumer: int) -> bool:
     """Whether recomputing the chain keeps fewer bytes than binding it as written: its
-    inputs (less those another chain recomputes from too) against what its equations keep,
-    plus what the consumer keeps of its value (a matrix product keeps its operand for the
-    weight gradient)."""
-    bound_from = _readers[-1][2] if _readers else {}
-    kept = sum(_nbytes(x) for x in leaves if not _shared(bound_from.get(id(x), x), order))
+    inputs against what its equations keep, plus what the consumer keeps of its value
+    (a matrix product keeps its operand for the weight gradient)."""
+    kept = sum(_nbytes(x) for x in leaves)
     written = _kept_as_written(order) + read_by_consumer
     if all(n.eqn.primitive.name in MOVEMENT for n in order):
         # a reshape into a product: the product keeps the reshaped input's own buffer,
@@ -342,9 +262,7 @@ def _structure(order: Sequence[Link], leaves: Sequence[Any], finish: Callable) -
 
     def ref(a: Any) -> tuple:
         if isinstance(a, Link):
-            if id(a) in index:
-                return ("n", index[id(a)])
-            a = _bound(a)
+            return ("n", index[id(a)])
         if _is_deferred(a):
             return ("d", regions.equation_key(a.eqn), ref(a.operand))
         hit = position.get(id(a))
@@ -393,9 +311,7 @@ def _checkpointed(
 
             def value_of(a: Any) -> Any:
                 if isinstance(a, Link):
-                    if id(a) in done:
-                        return done[id(a)]
-                    a = _bound(a)  # bound before the chain: one of its inputs
+                    return done[id(a)]
                 if _is_deferred(a):
                     return type(a)(a.eqn, value_of(a.operand))
                 hit = position.get(id(a))
