@@ -22,10 +22,10 @@ from typing import Any, Callable
 LLVM_O0 = "--xla_backend_optimization_level=0"
 # Of what is left, most is XLA's CPU fusion emitters (MLIR) on JAX 0.10: with the emitters
 # they replaced (which fuse less) the suite compiles in about half the time
-# (make test: 11m34s instead of 17m12s on JAX 0.10.2); jaxprs are the same, and so are the
-# CPU memory plans the tests read. JAX 0.6.2 takes the flag and changes nothing; JAX 0.12 no
-# longer knows it and aborts on it, so the first process of a run asks a child whether its
-# JAX starts with it, and the workers inherit the answer.
+# (make test: 11m34s instead of 17m12s on JAX 0.10.2); jaxprs are the same, and the tests
+# that read a CPU program's memory plan pass either way. JAX 0.6.2 takes the flag and changes
+# nothing; JAX 0.12 no longer knows it and aborts on it, so the first process of a run asks a
+# child whether its JAX starts with it, and the workers inherit the answer.
 OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 _SUITE_FLAGS = (LLVM_O0, OLD_EMITTERS)
 
