@@ -6,6 +6,8 @@ processes and FSDP-sharded state in tests/test_multiprocess.py."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,6 +83,43 @@ def test_every_leaf_of_adam_s_state_is_stored_as_asked(dtype):
         updates, state = jax.jit(tx.update)(_grads(params), state, params)
         for name in ("w", "b", "scale"):
             assert updates[name].dtype == F32  # float32 updates, rounded once, onto params
+
+
+class _Moments(NamedTuple):
+    mu: Any
+    nu: Any
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_an_eager_init_stores_what_the_rounding_gives_operation_by_operation(dtype):
+    # an eager init stores the state through one compiled program (one for all its shapes,
+    # not one per operation and shape): what the rounding run an operation at a time stores,
+    # on a state that is not all zeros, to a float32 rounding of the block scales (XLA of
+    # JAX 0.6.2 divides by 448 as a product with its reciprocal in a compiled program)
+    def init(params):
+        grown = jax.tree_util.tree_map(lambda p: p.astype(F32) * 1.37 + 1e-3, params)
+        return _Moments(grown, jax.tree_util.tree_map(lambda m: m * m * 1e-4, grown))
+
+    inner = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+    tx = ao.low_precision_state(inner, dtype)
+    params = _float_params(_params())
+
+    def values(state):
+        return [
+            np.asarray(blocks.decode(x) if isinstance(x, ao.BlockScaled) else x.astype(F32))
+            for x in jax.tree_util.tree_leaves(
+                state, is_leaf=lambda x: isinstance(x, ao.BlockScaled)
+            )
+        ]
+
+    compiled = tx.init(params)
+    with jax.disable_jit():
+        one_at_a_time = tx.init(params)
+    assert jax.tree_util.tree_structure(compiled) == jax.tree_util.tree_structure(one_at_a_time)
+    for got, want in zip(values(compiled), values(one_at_a_time)):
+        np.testing.assert_allclose(got, want, rtol=2**-20, atol=0)  # nu: a scale squared
+    nu = compiled.inner.nu["w"]
+    assert bool(jnp.all((blocks.decode(nu) if dtype == E4M3 else nu.astype(F32)) > 0))
 
 
 def test_blocks_run_along_the_last_axis_and_pad_the_last():
