@@ -13,7 +13,7 @@ from autocast import _compat
 from autocast._src.tools import measure as _measure
 from autocast._src.transform.recompute import recompute_all
 
-BF16, F16 = jnp.bfloat16, jnp.float16
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 KEY = jax.random.PRNGKey(0)
 
 
@@ -400,3 +400,157 @@ def test_a_program_already_16_bit_keeps_its_gelu_s_input_only(dtype):
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2**-7, atol=1e-3
         )
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_a_layer_norm_written_in_16_bits_keeps_its_input_only(dtype):
+    # With 16-bit parameters the layer norm runs in the program's dtype, as the model writes
+    # it: ``x - mean`` twice (for the variance and for the output), each kept as written for
+    # a derivative. The variance's chain and the normalisation's (recomputed with the next
+    # product) both read the input, so together they keep it once.
+    w1, w2, x = _mlp_args()
+    g, b = jnp.linspace(0.5, 1.5, 128), jnp.linspace(-0.1, 0.1, 128)
+
+    def loss(w1, g, b, w2, x):
+        h = x @ w1
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        y = (h - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+        return jnp.sum((y @ w2).astype(jnp.float32) ** 2)
+
+    args = [a.astype(dtype) for a in (w1, g, b, w2, x)]
+    amp = autocast.amp(loss, compute_dtype=dtype)
+    plain = hidden_residuals(loss, *args, shape=(64, 128))
+    assert len(plain) >= 2 and {a.dtype for a in plain} == {np.dtype(dtype)}
+    assert [a.dtype for a in hidden_residuals(amp, *args, shape=(64, 128))] == [dtype]
+    assert recomputed_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args)) == 2
+    values = jax.jit(amp)(*args), jax.jit(loss)(*args)
+    assert values[0] == values[1]  # the forward pass is the program's, bit for bit
+    grads = jax.jit(jax.grad(amp, argnums=(0, 1, 2, 3)))(*args)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    for got, expected in zip(grads, want):
+        assert got.dtype == dtype
+        scale = float(jnp.max(jnp.abs(expected.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=2**-6 * scale
+        )
+
+
+def _adds_in_checkpoints(jaxpr, shape):
+    """Full-size additions recomputed inside amp's chain checkpoints."""
+    found = 0
+    for e in _measure.equations(jaxpr):
+        if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is recompute_all:
+            inner = getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"])
+            found += sum(
+                1
+                for q in _measure.equations(inner)
+                if q.primitive.name == "add" and tuple(q.outvars[0].aval.shape) == shape
+            )
+    return found
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_chains_of_an_unrolled_16_bit_model_stop_at_values_already_bound(blocks):
+    # Each block's residual add is a link bound as written (the next block's norm and the
+    # residual stream both read it). A chain that walked back through it would recompute
+    # every earlier block's add at every norm (1, 4, 16 adds at 1, 2, 4 blocks); stopping
+    # at it, each chain keeps that value and recomputes its own block only.
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (64, 128), BF16)
+
+    def norm(h, g, b):
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+
+    def model(ps, x):
+        for w1, w2, g, b in ps:
+            x = x + jax.nn.relu(norm(x, g, b) @ w1) @ w2
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    w = [jax.random.normal(k[i], (128, 128), BF16) * 0.05 for i in (1, 2)]
+    ps = [(w[0], w[1], jnp.ones(128, BF16), jnp.zeros(128, BF16))] * blocks
+    amp = autocast.amp(model, compute_dtype=BF16)
+    assert _adds_in_checkpoints(jax.make_jaxpr(jax.grad(amp))(ps, x), (64, 128)) == blocks
+    # per block: the norm's input and the relu's (as written: each norm keeps x - mean
+    # twice besides, 3 * blocks + 1 arrays)
+    assert len(hidden_residuals(amp, ps, x, shape=(64, 128))) == 2 * blocks
+    assert len(hidden_residuals(model, ps, x, shape=(64, 128))) > 3 * blocks
+    assert jax.jit(amp)(ps, x) == jax.jit(model)(ps, x)
+    got, want = jax.jit(jax.grad(amp))(ps, x), jax.jit(jax.grad(model))(ps, x)
+    for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        scale = float(jnp.max(jnp.abs(e.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(e, np.float32), atol=2**-6 * scale
+        )
+
+
+@pytest.mark.parametrize("program_dtype", [jnp.float32, BF16])
+def test_a_chain_sharing_its_inputs_with_a_chain_bound_as_written_keeps_no_more(program_dtype):
+    # abs(a + b) written out keeps a mask of a + b; recomputed, it would keep a and b. The
+    # later a - b reads them too, but bound as written (its derivative reads nothing) it
+    # keeps neither: counting a and b free for the first chain because another reads them
+    # kept both for a chain whose written form kept one mask (the reviewer's program).
+    k = jax.random.split(KEY, 3)
+    w1, w2 = (jax.random.normal(k[i], (32, 128), program_dtype) for i in (0, 1))
+    x = jax.random.normal(k[2], (64, 32), program_dtype)
+
+    def loss(w1, w2, x):
+        a, b = x @ w1, x @ w2
+        f32 = jnp.float32
+        return jnp.sum(jnp.abs(a + b).astype(f32)) + jnp.sum((a - b).astype(f32))
+
+    amp = autocast.amp(loss, compute_dtype=BF16)
+    # the abs's mask only: not a, b or a + b
+    assert [a.dtype for a in hidden_residuals(amp, w1, w2, x, shape=(64, 128))] == [np.bool_]
+    got = jax.jit(jax.grad(amp, argnums=(0, 1, 2)))(w1, w2, x)
+    assert all(bool(jnp.all(jnp.isfinite(g))) and g.dtype == program_dtype for g in got)
+    if program_dtype == BF16:  # the program's own work: the same bits forward
+        assert jax.jit(amp)(w1, w2, x) == jax.jit(loss)(w1, w2, x)
+
+
+def _residual_bytes(fn, *args):
+    return _measure.residual_bytes(fn, *args, include_inputs=False)
+
+
+def test_a_chain_does_not_stop_at_a_link_emitted_alone():
+    # c is a chain emitted alone for its first reader (the sum): its checkpoint keeps a, not
+    # c. The chain into the product must recompute c too, not take c as kept and bind it
+    # again as written (which kept tanh's outputs and products: 7 arrays more).
+    k = jax.random.split(KEY, 3)
+    w1, w3 = jax.random.normal(k[0], (32, 128), BF16), jax.random.normal(k[1], (128, 128), BF16)
+    x = jax.random.normal(k[2], (64, 32), BF16)
+
+    def loss(w1, w3, x):
+        a = x @ w1
+        c = jnp.tanh(a) + jnp.tanh(a) * a
+        return jnp.sum(c.astype(F32)) + jnp.sum(((c * 2 + 1) @ w3).astype(F32))
+
+    amp = autocast.amp(loss, compute_dtype=BF16)
+    assert [a.dtype for a in hidden_residuals(amp, w1, w3, x, shape=(64, 128))] == [BF16]
+
+
+@pytest.mark.parametrize("mask", ["comparison", "stop_gradient", "literal"])
+def test_a_product_bound_as_written_does_not_count_its_operands_kept(mask):
+    # a * m keeps a only where m has a tangent, which amp cannot know: a mask made by a
+    # comparison or behind stop_gradient has none, and a literal keeps nothing. Counting a
+    # and b as kept made abs(a + b) recompute from them: two arrays instead of its mask.
+    k = jax.random.split(KEY, 4)
+    w1, w2 = (jax.random.normal(k[i], (32, 128), BF16) for i in (0, 1))
+    x = jax.random.normal(k[2], (64, 32), BF16)
+    given = (jax.random.uniform(k[3], (64, 128)) > 0.5).astype(BF16)
+
+    def loss(w1, w2, x, given):
+        a, b = x @ w1, x @ w2
+        m = {
+            "comparison": (a > 0).astype(BF16),
+            "stop_gradient": jax.lax.stop_gradient(given),
+            "literal": 0.5,
+        }[mask]
+        s = lambda v: jnp.sum(v.astype(F32))  # noqa: E731
+        return s(a * m) + s(b * m) + s(jnp.abs(a + b))
+
+    amp = autocast.amp(loss, compute_dtype=BF16)
+    # never more than the 16-bit program keeps as written (the mask, and m where it is one)
+    assert _residual_bytes(amp, w1, w2, x, given) <= _residual_bytes(loss, w1, w2, x, given)

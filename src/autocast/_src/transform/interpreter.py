@@ -291,11 +291,30 @@ class _Uses:
     softmax's ``exp``), and which ones only matrix products consume, directly or through data
     movement (a parameter gathered from its shards, an input marked as varying over devices)."""
 
-    __slots__ = ("_jaxpr", "_ctx", "_float32", "_compute", "_summed")
+    __slots__ = ("_jaxpr", "_ctx", "_float32", "_compute", "_summed", "_chain_readers")
 
     def __init__(self, jaxpr: Any, ctx: Context) -> None:
         self._jaxpr, self._ctx, self._float32, self._compute = jaxpr, ctx, None, None
-        self._summed = None
+        self._summed = self._chain_readers = None
+
+    def chain_readers(self, var: Any) -> int:
+        """How many equations that a recomputed chain may hold read ``var``, directly or
+        through broadcasts (a chain reads a deferred broadcast's operand: a layer norm's
+        two ``x - mean`` broadcast the mean twice)."""
+        if self._chain_readers is None:
+            counts: dict[Any, int] = {}
+            for eqn in self._jaxpr.eqns:
+                if eqn.primitive.name in _CHAIN_READERS:
+                    for v in eqn.invars:
+                        if not isinstance(v, _compat.Literal):
+                            counts[v] = counts.get(v, 0) + 1
+            for eqn in reversed(self._jaxpr.eqns):  # a broadcast's readers, then its operand's
+                if eqn.primitive.name == _BROADCAST and eqn.invars:
+                    v = eqn.invars[0]
+                    if not isinstance(v, _compat.Literal):
+                        counts[v] = counts.get(v, 0) + counts.get(eqn.outvars[0], 0)
+            self._chain_readers = counts
+        return 0 if isinstance(var, _compat.Literal) else self._chain_readers.get(var, 0)
 
     def feeds_float32(self, var: Any) -> bool:
         if self._float32 is None:
@@ -626,6 +645,19 @@ def apply_first_order(
 _LINK_RULES = frozenset({use_input_precision, use_widest_precision})
 # The result dtypes a link may have: float32 work amp narrows, or the program's own 16-bit.
 _LINK_RESULTS = regions.SIXTEEN_BIT | {np.dtype(np.float32)}
+# Equations a chain may hold (the elementwise ones and activation functions, which have a
+# handler of their own): their readers are counted to break the ties of recompute._worth_it.
+_CHAIN_READERS = recompute.LINKS | recompute.ACTIVATION_CALLS
+
+
+def _read_var(x: Any, var: Any) -> Any:
+    """The variable a chain reads for ``var``, whose value is ``x``: a deferred broadcast's
+    operand (recompute keeps the operand), else ``var``."""
+    while isinstance(x, Deferred) and not isinstance(var, _compat.Literal):
+        x, var = x.operand, x.eqn.invars[0]
+    return var
+
+
 # Matrix products a chain is recomputed into (their operands are what they keep).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -653,10 +685,11 @@ def _link_dtype(
     out_dtype = eqn.outvars[0].aval.dtype
     if out_dtype not in _LINK_RESULTS:
         return None
+    own = out_dtype in regions.SIXTEEN_BIT  # the program's own 16-bit work, as written
     rule = decide(eqn, ctx)
     if rule is use_precision_by_exponent:
-        if eqn.params.get("y") not in INPUT_PRECISION_EXPONENTS or eqn.params["y"] < 0:
-            return None
+        if eqn.params["y"] < 0 or not (own or eqn.params["y"] in INPUT_PRECISION_EXPONENTS):
+            return None  # a square of amp's narrowed work goes to float32; the program's stays
     elif rule not in _LINK_RULES:
         return None
     if UNMAPPED in kinds:
@@ -688,8 +721,9 @@ def _link_dtype(
     divisor = invals[1] if name == "div" else None
     if divisor is not None and math.prod(getattr(divisor, "shape", np.shape(divisor))) == size:
         return None  # 1/x of an activation: a wide region's
-    if uses.feeds_float32(eqn.outvars[0]):
-        return None  # the shift before a softmax's exp: a wide region's
+    if not own and uses.feeds_float32(eqn.outvars[0]):
+        return None  # the shift before a softmax's exp: a wide region's (16-bit work is no
+        # region's: a layer norm written in bfloat16 shifts and squares in chains)
     return found
 
 
@@ -784,7 +818,7 @@ def eval_jaxpr(
     ``arg_kinds`` and ``const_kinds`` give the kind of each argument and constant (default:
     all RAW, the function's inputs).
     """
-    with cast_memo(), regions.traced_regions():
+    with cast_memo(), regions.traced_regions(), recompute.pending_links():
         outs, _ = _eval_jaxpr(jaxpr, consts, args, ctx, arg_kinds, const_kinds)
         return [_materialized(x) for x in outs]
 
@@ -917,6 +951,10 @@ def _eval_jaxpr(
                 env[eqn.outvars[0]] = Deferred(eqn, invals[0])
                 kind_of[eqn.outvars[0]] = kind
                 continue
+        if chains and eqn.primitive.name in _CHAIN_READERS:
+            # every equation a chain may hold, whatever binds it (chain_readers counts them)
+            counts = [uses.chain_readers(_read_var(x, v)) for x, v in zip(invals, eqn.invars)]
+            recompute.reading(invals, counts)
         if chains and handler is not None:
             dtype = _activation_link_dtype(eqn, invals, ctx, uses)
             if dtype is not None:

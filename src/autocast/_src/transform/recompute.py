@@ -87,6 +87,7 @@ class Link:
         "prevent_cse",
         "_plain",
         "_alone",
+        "_emitted",
     )
 
     def __init__(
@@ -107,6 +108,13 @@ class Link:
         self.bind = bind
         self._plain: Any = None
         self._alone: Any = None
+        self._emitted = False  # recomputed in some checkpoint (its value maybe not bound)
+        if _accounts:  # what reads each input, for the ties of _worth_it
+            for a in self.args:
+                while _is_deferred(a):
+                    a = a.operand
+                if not _is_constant(a):
+                    _accounts[-1].readers.setdefault(id(a), []).append(self)
 
     @property
     def nbytes(self) -> int:
@@ -169,6 +177,14 @@ def _is_deferred(x: Any) -> bool:
     return getattr(type(x), "deferred", False)
 
 
+def _bound(node: Link) -> Any:
+    """The link's value where it was already bound as written, else None: a chain reading it
+    stops there and keeps that value, which its other readers bound as written have anyway,
+    rather than recompute it from what it was computed from. A link emitted alone is not a
+    stop: its checkpoint keeps its inputs, not its value."""
+    return node._plain
+
+
 def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
     """The links ``roots`` are computed from, in an order that evaluates each after its
     inputs, and the chain's inputs (arrays, by identity; deferred broadcasts are replayed
@@ -180,6 +196,10 @@ def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
     def leaf(a: Any) -> None:
         while _is_deferred(a):
             a = a.operand
+        if isinstance(a, Link):
+            if _accounts:  # what reads the link reads its value (_read_later)
+                _accounts[-1].stops[id(_bound(a))] = a  # the link holds the value: ids stay
+            a = _bound(a)
         if not _is_constant(a):
             leaves.setdefault(id(a), a)
 
@@ -188,7 +208,7 @@ def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
             return
         seen.add(id(node))
         for a in node.args:
-            if isinstance(a, Link):
+            if isinstance(a, Link) and _bound(a) is None:
                 visit(a)
             else:
                 leaf(a)
@@ -210,41 +230,197 @@ def _nbytes(x: Any) -> int:
 
 def _kept_as_written(order: Sequence[Link]) -> int:
     """Bytes the chain's equations keep for their derivatives when bound one by one (an
-    estimate: what each primitive's derivative reads, each value counted once)."""
+    estimate: what each primitive's derivative reads, each value counted once, less what
+    is kept anyway: :func:`kept_anyway`)."""
     kept: dict[int, int] = {}
     for node in order:
-        name = node.eqn.primitive.name
-        if isinstance(node, RegionLink):
-            # emitted on its own, the region keeps its inputs
-            for a in node.args:
-                kept[id(a)] = _nbytes(a)
-        elif name in _READS_OUTPUT:
-            kept[id(node)] = node.nbytes
-        elif name in _READS_INPUTS or name in ACTIVATION_CALLS:
-            data = [a for a in node.args if not _is_constant(a) and not _is_deferred(a)]
-            if name in ("mul", "div") and len(data) < 2 and len(node.args) == 2:
-                # a product with a scale or a constant reads only the scale (small)
-                data = [
-                    a
-                    for a in data
-                    if tuple(np.shape(a) if not isinstance(a, Link) else a.shape) != node.shape
-                ]
-            for a in data:
-                kept[id(a)] = _nbytes(a)
+        for a in _read_as_written(node):
+            kept[id(a)] = 0 if kept_anyway(a) else _nbytes(a)
     return sum(kept.values())
+
+
+def _read_as_written(node: Link) -> list[Any]:
+    """What the derivative of ``node`` bound as written reads, by the estimate (a link bound
+    before the chain, where the chain stops, is read as its value)."""
+    name = node.eqn.primitive.name
+    if isinstance(node, RegionLink):
+        return list(node.args)  # emitted on its own, the region keeps its inputs
+    if name in _READS_OUTPUT:
+        return [node]
+    if name in _READS_INPUTS or name in ACTIVATION_CALLS:
+        data = [a for a in node.args if not _is_constant(a) and not _is_deferred(a)]
+        if name in ("mul", "div") and len(data) < 2 and len(node.args) == 2:
+            # a product with a scale or a constant reads only the scale (small)
+            data = [
+                a
+                for a in data
+                if tuple(np.shape(a) if not isinstance(a, Link) else a.shape) != node.shape
+            ]
+        return [_bound(a) if isinstance(a, Link) and _bound(a) is not None else a for a in data]
+    return []
+
+
+class _Account:
+    """What the chains of one program (being evaluated) are weighed against, by id (with
+    the value or the link, so that ids are not reused while it lasts):
+
+    - ``kept``: arrays that something already bound keeps for the backward pass whatever
+      the chains still to come decide: the inputs of the checkpoints emitted so far (for a
+      chain emitted alone, those its derivatives need). Recomputing from one costs none of
+      its bytes. What an equation bound as written keeps is not counted: a product's
+      derivative reads an operand only where another operand has a tangent, which amp
+      cannot know (a dropout mask, a frozen matrix).
+    - ``left``: for each array or link, ``[value, n]``: n equations a chain may hold are
+      yet to read it (the interpreter counts them in the program); ties only.
+    - ``stops``: the link each value a chain stopped at was bound from (what reads the
+      link reads the value); ``readers``: the links that read each array or link.
+    """
+
+    __slots__ = ("kept", "left", "stops", "readers")
+
+    def __init__(self) -> None:
+        self.kept: dict[int, Any] = {}
+        self.left: dict[int, list] = {}
+        self.stops: dict[int, Link] = {}
+        self.readers: dict[int, list[Link]] = {}
+
+
+# The accounts of the programs being evaluated, innermost last (pending_links).
+_accounts: list[_Account] = []
+
+
+class pending_links:
+    """Within this context (a program's evaluation), what chains are weighed against is
+    recorded (:class:`_Account`)."""
+
+    def __enter__(self) -> None:
+        _accounts.append(_Account())
+
+    def __exit__(self, *_: Any) -> None:
+        _accounts.pop()
+
+
+def _registered(a: Any) -> Any:
+    while _is_deferred(a):
+        a = a.operand
+    return None if _is_constant(a) or isinstance(a, Link) else a
+
+
+def kept_anyway(a: Any) -> bool:
+    """Whether something already bound keeps ``a`` for the backward pass."""
+    a = _registered(a)
+    return a is not None and bool(_accounts) and id(a) in _accounts[-1].kept
+
+
+def _keep(values: Sequence[Any]) -> None:
+    if _accounts:
+        for a in map(_registered, values):
+            if a is not None:
+                _accounts[-1].kept.setdefault(id(a), a)
+
+
+# Equations whose derivatives read none of their operands (a mul or div by a constant is
+# one too: see _recomputed_from).
+_LINEAR = frozenset({"add", "sub", "neg", "add_any"}) | MOVEMENT
+
+
+def _recomputed_from(order: Sequence[Link]) -> list[Any]:
+    """The inputs a checkpoint of the chain ``order`` emitted alone keeps: those that the
+    values its derivatives read are computed from. JAX keeps no input that only linear
+    work reads (``tanh(a) + c`` keeps ``a``, not ``c``)."""
+    sources: dict[int, dict[int, Any]] = {}
+
+    def of(a: Any) -> dict[int, Any]:
+        while _is_deferred(a):
+            a = a.operand
+        if isinstance(a, Link) and id(a) in sources:
+            return sources[id(a)]
+        if isinstance(a, Link):
+            a = _bound(a)
+        return {} if _is_constant(a) else {id(a): a}
+
+    needed: dict[int, Any] = {}
+    for node in order:
+        sources[id(node)] = {k: v for a in node.args for k, v in of(a).items()}
+        name = node.eqn.primitive.name
+        data = [not _is_constant(a) for a in node.args]
+        if isinstance(node, RegionLink) or name not in _LINEAR | {"mul", "div"}:
+            read = list(node.args)
+        elif name == "mul":  # each operand is read for the other's derivative
+            read = [a for i, a in enumerate(node.args) if any(data[:i] + data[i + 1 :])]
+        elif name == "div" and data[1:] == [True]:
+            read = list(node.args)
+        else:
+            read = []
+        for a in read:
+            needed.update(of(a))
+    return list(needed.values())
+
+
+def reading(args: Sequence[Any], counts: Sequence[int]) -> None:
+    """Records that an equation a chain may hold reads ``args`` (links or not), of which the
+    program has ``counts[i]`` such readers in all."""
+    if _accounts:
+        left = _accounts[-1].left
+        for a, n in zip(args, counts):
+            while _is_deferred(a):
+                a = a.operand
+            if not _is_constant(a):
+                entry = left.setdefault(id(a), [a, n])
+                entry[1] -= 1
+
+
+def _read_later(x: Any, order: Sequence[Link]) -> bool:
+    """Whether a chain still to come reads ``x`` (or the link it is the value of): a link
+    outside ``order`` not yet bound reads it, or an equation a chain may hold is yet to."""
+    if not _accounts:
+        return False
+    account = _accounts[-1]
+    mine = {id(n) for n in order}
+    for a in (x, account.stops.get(id(x))):
+        if a is None:
+            continue
+        entry = account.left.get(id(a))
+        if entry is not None and entry[1] > 0:
+            return True
+        for r in account.readers.get(id(a), ()):
+            if id(r) not in mine and _bound(r) is None and not r._emitted:
+                return True
+    return False
+
+
+# Products whose derivatives read an operand only where another has a tangent, which amp
+# cannot know (a dropout mask, a frozen matrix): what they keep as written is an upper
+# bound, so a chain holding one is never recomputed at a tie.
+_READS_AN_OPERAND = frozenset({"mul", "div"})
 
 
 def _worth_it(order: Sequence[Link], leaves: Sequence[Any], read_by_consumer: int) -> bool:
     """Whether recomputing the chain keeps fewer bytes than binding it as written: its
     inputs against what its equations keep, plus what the consumer keeps of its value
-    (a matrix product keeps its operand for the weight gradient)."""
-    kept = sum(_nbytes(x) for x in leaves)
+    (a matrix product keeps its operand for the weight gradient), either side less what
+    something already bound keeps anyway.
+
+    A tie (the inputs as large as the chain's values weigh what it keeps as written) goes
+    to recomputing where a chain still to come reads every input it would keep: recomputed
+    in its turn, that chain keeps them anyway (a layer norm written in bfloat16 reads its
+    input and mean in the variance's chain and the output's: together they keep them once,
+    not the variance's ``x - mean`` besides). The smaller inputs (the mean) are the most a
+    tie costs, where that later chain is bound as written after all. A chain holding a
+    product (``mul``, ``div``) never wins a tie: what it keeps as written is an upper bound
+    (see :data:`_READS_AN_OPERAND`)."""
+    fresh = [x for x in leaves if not kept_anyway(x)]
+    kept = sum(_nbytes(x) for x in fresh)
     written = _kept_as_written(order) + read_by_consumer
     if all(n.eqn.primitive.name in MOVEMENT for n in order):
         # a reshape into a product: the product keeps the reshaped input's own buffer,
         # which its producer may keep too (a fused attention keeps its output)
         return kept <= written
-    return kept < written
+    if kept < written or any(n.eqn.primitive.name in _READS_AN_OPERAND for n in order):
+        return kept < written
+    full = max(n.nbytes for n in order)
+    large = sum(_nbytes(x) for x in fresh if _nbytes(x) >= full)
+    return 0 < large == written and all(_read_later(x, order) for x in fresh)
 
 
 class _Unkeyable(Exception):
@@ -262,7 +438,9 @@ def _structure(order: Sequence[Link], leaves: Sequence[Any], finish: Callable) -
 
     def ref(a: Any) -> tuple:
         if isinstance(a, Link):
-            return ("n", index[id(a)])
+            if id(a) in index:
+                return ("n", index[id(a)])
+            a = _bound(a)
         if _is_deferred(a):
             return ("d", regions.equation_key(a.eqn), ref(a.operand))
         hit = position.get(id(a))
@@ -311,7 +489,9 @@ def _checkpointed(
 
             def value_of(a: Any) -> Any:
                 if isinstance(a, Link):
-                    return done[id(a)]
+                    if id(a) in done:
+                        return done[id(a)]
+                    a = _bound(a)  # bound before the chain: one of its inputs
                 if _is_deferred(a):
                     return type(a)(a.eqn, value_of(a.operand))
                 hit = position.get(id(a))
@@ -327,6 +507,8 @@ def _checkpointed(
     # outside a loop body, XLA would merge the backward's recomputation with the forward
     # pass and keep what the chain was written to spare
     prevent_cse = PREVENT_CSE_OUTSIDE_LOOPS and any(n.prevent_cse for n in order)
+    for n in order:
+        n._emitted = True  # no chain to come: its inputs are what this checkpoint keeps
     cache = regions.trace_cache()
     key = None if cache is None or finish_key is None else _structure(order, leaves, finish_key)
     return regions.checkpoint(region, leaves, recompute_all, prevent_cse, cache, key)
@@ -371,6 +553,7 @@ def settle(x: Any) -> Any:
             return x._plain
         order, leaves = _walk([x])
         if _worth_it(order, leaves, 0):
+            _keep(_recomputed_from(order))
             x._alone = _checkpointed(
                 order, leaves, lambda value_of: value_of(x), lambda ref: ("alone", ref(x))
             )
@@ -398,6 +581,7 @@ def into_product(
         if not isinstance(x, Link) and not _is_constant(x) and id(x) not in known:
             known.add(id(x))
             leaves.append(x)
+    _keep(leaves)  # the product's gradients read the chain's value: all of it is recomputed
     return _checkpointed(
         order,
         leaves,
