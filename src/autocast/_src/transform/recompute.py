@@ -110,9 +110,7 @@ class Link:
         self._alone: Any = None
         self._emitted = False  # recomputed in some checkpoint (its value maybe not bound)
         if _accounts:  # what reads each input, for the ties of _worth_it
-            for a in self.args:
-                while _is_deferred(a):
-                    a = a.operand
+            for a in map(_undeferred, self.args):
                 if not _is_constant(a):
                     _accounts[-1].readers.setdefault(id(a), []).append(self)
 
@@ -177,6 +175,13 @@ def _is_deferred(x: Any) -> bool:
     return getattr(type(x), "deferred", False)
 
 
+def _undeferred(x: Any) -> Any:
+    """What a deferred broadcast (or a chain of them) is of; anything else as it is."""
+    while _is_deferred(x):
+        x = x.operand
+    return x
+
+
 def _bound(node: Link) -> Any:
     """The link's value where it was already bound as written, else None: a chain reading it
     stops there and keeps that value, which its other readers bound as written have anyway,
@@ -194,9 +199,8 @@ def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
     seen: set[int] = set()
 
     def leaf(a: Any) -> None:
-        while _is_deferred(a):
-            a = a.operand
-        if isinstance(a, Link):
+        a = _undeferred(a)
+        if isinstance(a, Link) and _bound(a) is not None:
             if _accounts:  # what reads the link reads its value (_read_later)
                 _accounts[-1].stops[id(_bound(a))] = a  # the link holds the value: ids stay
             a = _bound(a)
@@ -231,11 +235,11 @@ def _nbytes(x: Any) -> int:
 def _kept_as_written(order: Sequence[Link]) -> int:
     """Bytes the chain's equations keep for their derivatives when bound one by one (an
     estimate: what each primitive's derivative reads, each value counted once, less what
-    is kept anyway: :func:`kept_anyway`)."""
+    is kept anyway: :func:`_kept_anyway`)."""
     kept: dict[int, int] = {}
     for node in order:
         for a in _read_as_written(node):
-            kept[id(a)] = 0 if kept_anyway(a) else _nbytes(a)
+            kept[id(a)] = 0 if _kept_anyway(a) else _nbytes(a)
     return sum(kept.values())
 
 
@@ -301,12 +305,11 @@ class pending_links:
 
 
 def _registered(a: Any) -> Any:
-    while _is_deferred(a):
-        a = a.operand
+    a = _undeferred(a)
     return None if _is_constant(a) or isinstance(a, Link) else a
 
 
-def kept_anyway(a: Any) -> bool:
+def _kept_anyway(a: Any) -> bool:
     """Whether something already bound keeps ``a`` for the backward pass."""
     a = _registered(a)
     return a is not None and bool(_accounts) and id(a) in _accounts[-1].kept
@@ -331,8 +334,7 @@ def _recomputed_from(order: Sequence[Link]) -> list[Any]:
     sources: dict[int, dict[int, Any]] = {}
 
     def of(a: Any) -> dict[int, Any]:
-        while _is_deferred(a):
-            a = a.operand
+        a = _undeferred(a)
         if isinstance(a, Link) and id(a) in sources:
             return sources[id(a)]
         if isinstance(a, Link):
@@ -362,9 +364,7 @@ def reading(args: Sequence[Any], counts: Sequence[int]) -> None:
     program has ``counts[i]`` such readers in all."""
     if _accounts:
         left = _accounts[-1].left
-        for a, n in zip(args, counts):
-            while _is_deferred(a):
-                a = a.operand
+        for a, n in zip(map(_undeferred, args), counts):
             if not _is_constant(a):
                 entry = left.setdefault(id(a), [a, n])
                 entry[1] -= 1
@@ -409,15 +409,17 @@ def _worth_it(order: Sequence[Link], leaves: Sequence[Any], read_by_consumer: in
     tie costs, where that later chain is bound as written after all. A chain holding a
     product (``mul``, ``div``) never wins a tie: what it keeps as written is an upper bound
     (see :data:`_READS_AN_OPERAND`)."""
-    fresh = [x for x in leaves if not kept_anyway(x)]
+    fresh = [x for x in leaves if not _kept_anyway(x)]
     kept = sum(_nbytes(x) for x in fresh)
     written = _kept_as_written(order) + read_by_consumer
     if all(n.eqn.primitive.name in MOVEMENT for n in order):
         # a reshape into a product: the product keeps the reshaped input's own buffer,
         # which its producer may keep too (a fused attention keeps its output)
         return kept <= written
-    if kept < written or any(n.eqn.primitive.name in _READS_AN_OPERAND for n in order):
-        return kept < written
+    if kept < written:
+        return True
+    if any(n.eqn.primitive.name in _READS_AN_OPERAND for n in order):
+        return False  # never a tie: see _READS_AN_OPERAND
     full = max(n.nbytes for n in order)
     large = sum(_nbytes(x) for x in fresh if _nbytes(x) >= full)
     return 0 < large == written and all(_read_later(x, order) for x in fresh)
@@ -575,9 +577,7 @@ def into_product(
     ):
         return bind([settle(x) for x in invals])
     known = {id(x) for x in leaves}
-    for x in invals:
-        while _is_deferred(x):
-            x = x.operand
+    for x in map(_undeferred, invals):
         if not isinstance(x, Link) and not _is_constant(x) and id(x) not in known:
             known.add(id(x))
             leaves.append(x)
