@@ -482,6 +482,35 @@ def test_jmp_bug_d_non_float_leaves_pass_through_untouched(ls):
     assert float(ls.scale(tree)["f"][0]) == 8.0
 
 
+def test_gradients_of_complex_parameters_come_back_unscaled_from_every_face():
+    """A real loss scaled by 2**15 scales the gradients of complex parameters as well: each
+    face divides them again (they once came back 2**15 times too large, and no check
+    noticed: they were finite)."""
+    import optax
+
+    import autocast.optax
+
+    w = jnp.array([1.0 + 2.0j, -0.5 + 0.25j], jnp.complex64)
+    loss = lambda w: jnp.sum(jnp.abs(w) ** 2)  # noqa: E731
+    want = jax.grad(loss)(w)  # 2 * conj(w), JAX's convention for a real function
+
+    ls = autocast.DynamicLossScale(2.0**15)
+    got = ls.unscale(jax.grad(lambda p: ls.scale(loss(p)))(w))
+    assert got.dtype == jnp.complex64
+    np.testing.assert_array_equal(got, want)
+
+    _, (_, got) = autocast.dynamic_scale_value_and_grad(loss)(
+        w, dynamic_scaler_state=autocast.DynamicScalerState()
+    )
+    np.testing.assert_array_equal(got, want)
+
+    tx = autocast.optax.dynamic_loss_scaling(optax.sgd(0.1))
+    state = tx.init(w)
+    scale = autocast.optax.loss_scale_of(state)
+    updates, _ = tx.update(jax.grad(lambda p: scale.scale(loss(p)))(w), state, w)
+    np.testing.assert_allclose(updates, -0.1 * want, rtol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------
 # 3. scale / unscale values.
 # --------------------------------------------------------------------------------------------

@@ -46,3 +46,9 @@ def is_inexact_array(x: Any) -> bool:
 def map_floating(fn: Callable[[Any], Any], tree: T) -> T:
     """Applies ``fn`` to the floating-point array leaves of ``tree``; other leaves pass through."""
     return jax.tree_util.tree_map(lambda x: fn(x) if is_floating_array(x) else x, tree)
+
+
+def map_inexact(fn: Callable[[Any], Any], tree: T) -> T:
+    """Applies ``fn`` to the floating-point and complex array leaves of ``tree`` (those that
+    have gradients); other leaves pass through."""
+    return jax.tree_util.tree_map(lambda x: fn(x) if is_inexact_array(x) else x, tree)

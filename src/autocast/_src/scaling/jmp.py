@@ -27,7 +27,7 @@ from autocast._src.scaling.core import (
     unscale_leaf,
     widened_product,
 )
-from autocast._src.tree import map_floating
+from autocast._src.tree import map_floating, map_inexact
 
 T = TypeVar("T")
 F = TypeVar("F", bound="LossScale")
@@ -78,20 +78,22 @@ class LossScale(abc.ABC):
         return map_floating(lambda x: widened_product(x, self.loss_scale), tree)
 
     def unscale(self, tree: T) -> T:
-        """Divides the floating-point leaves of ``tree`` by the loss scale, keeping dtypes.
+        """Divides the floating-point and complex leaves of ``tree`` by the loss scale, keeping
+        dtypes.
 
         The division runs in at least float32, so the scale is not rounded to 16 bits, and each
-        result is cast back to its leaf's dtype. Other leaves pass through unchanged, as in
-        :meth:`scale`.
+        result is cast back to its leaf's dtype. Complex leaves are divided too, unlike in
+        :meth:`scale`: the gradients of complex parameters come from a real scaled loss, so
+        they carry the scale. Integer and other leaves pass through unchanged.
 
         Args:
             tree: A pytree, usually the gradients of the scaled loss.
 
         Returns:
-            A pytree of the same structure, with the floating-point array leaves divided by the
-            scale and in their own dtypes.
+            A pytree of the same structure, with the floating-point and complex array leaves
+            divided by the scale and in their own dtypes.
         """
-        return map_floating(lambda x: unscale_leaf(x, self.loss_scale), tree)
+        return map_inexact(lambda x: unscale_leaf(x, self.loss_scale), tree)
 
     @abc.abstractmethod
     def adjust(self, grads_finite: jax.Array) -> LossScale:
