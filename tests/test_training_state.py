@@ -146,6 +146,32 @@ def test_square_roots_keep_small_second_moments_that_plain_codes_flush():
     np.testing.assert_allclose(rooted, nu, rtol=2**-3)
 
 
+@pytest.mark.parametrize("name", ["nu", "other"])
+def test_a_parameter_named_like_a_second_moment_keeps_a_signed_first_moment(name):
+    # Adam's first moment of a parameter called "nu" lives at mu["nu"]: the name is the
+    # parameter's, not the state's, so it is stored signed (it once became a square root,
+    # its negative values zero, and the second step moved the parameter by half as much)
+    class Mirror(NamedTuple):  # a parameter tree with attribute names, as Equinox's
+        nu: jax.Array
+
+    params = {name: jnp.zeros((4, 8)), "tree": Mirror(jnp.zeros((2, 8)))}
+    grads = jax.tree_util.tree_map(lambda p: -jnp.ones_like(p), params)
+    tx, plain = ao.low_precision_state(optax.adam(1e-2), E4M3), optax.adam(1e-2)
+    state, want_state = tx.init(params), plain.init(params)
+    for _ in range(2):
+        got, state = tx.update(grads, state, params)
+        want, want_state = plain.update(grads, want_state, params)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2**-4)
+    adam = state.inner[0]
+    assert not any(b.root for b in jax.tree_util.tree_leaves(adam.mu, is_leaf=_is_blocks))
+    assert all(b.root for b in jax.tree_util.tree_leaves(adam.nu, is_leaf=_is_blocks))
+
+
+def _is_blocks(x: Any) -> bool:
+    return isinstance(x, blocks.BlockScaled)
+
+
 def test_stochastic_block_encoding_is_unbiased():
     x = jnp.full((4096, 4), 0.3, jnp.float32).at[:, 0].set(1.0)  # 0.3 lies between codes
     keys = jax.random.split(jax.random.key(0), 64)

@@ -72,12 +72,23 @@ def _storage_dtype(dtype: Any) -> Any:
     )
 
 
-def _named(path: Any, names: frozenset[str]) -> bool:
-    for entry in path:
+def _named(path: Any, names: frozenset[str], mirrored: frozenset[tuple[str, ...]]) -> bool:
+    """Whether a field on ``path`` is one of ``names``, looking only above the parameter
+    tree the state mirrors there (``mirrored``: every parameter's own path): Adam's first
+    moment of a parameter named ``nu`` is ``mu['nu']``, and is not a second moment."""
+    steps = tuple(jax.tree_util.keystr((entry,)) for entry in path)
+    own = next((cut for cut in range(len(steps) + 1) if steps[cut:] in mirrored), len(steps))
+    for entry in path[:own]:
         name = getattr(entry, "name", getattr(entry, "key", None))
         if isinstance(name, str) and name in names:
             return True
     return False
+
+
+def _paths(tree: Any) -> frozenset[tuple[str, ...]]:
+    """The path of every leaf of ``tree``, an entry at a time as ``keystr`` writes it."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return frozenset(tuple(jax.tree_util.keystr((e,)) for e in path) for path, _ in leaves)
 
 
 def _compactable(x: Any) -> bool:
@@ -127,9 +138,10 @@ def low_precision_state(
             default) rounds to nearest.
         block_size: Values per scale in 8-bit storage, along the last axis (an axis shorter
             than that is one block).
-        nonnegative: Names of state fields (attribute or dict keys on the path to a leaf)
-            that are non-negative, stored as square roots in 8 bits; values below zero
-            there would be stored as zero.
+        nonnegative: Names of state fields (attribute or dict keys on the path to a leaf,
+            above the parameter tree the state mirrors: a parameter named ``nu`` does not
+            make its first moment one) that are non-negative, stored as square roots in 8
+            bits; values below zero there would be stored as zero.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``; ``init(params)`` returns a
@@ -171,13 +183,17 @@ def low_precision_state(
     roots = frozenset(nonnegative)
     inner = optax.with_extra_args_support(inner)
 
-    def encode(state: Any, draw: Any) -> Any:
+    def encode(state: Any, draw: Any, params: Any) -> Any:
+        # params: the parameters or the gradients, whose structure the state's moments mirror
+        mirrored = _paths(params) if roots and dtype == blocks.CODE_DTYPE else frozenset()
         leaves, tree = jax.tree_util.tree_flatten_with_path(state)
         chosen = [i for i, (_, x) in enumerate(leaves) if _compactable(x)]
         seeds = None if draw is None else _bits.seeds(draw, max(len(chosen), 1))
         out = [x for _, x in leaves]
         xs = [leaves[i][1] for i in chosen]
-        rooted = tuple(dtype == blocks.CODE_DTYPE and _named(leaves[i][0], roots) for i in chosen)
+        rooted = tuple(
+            dtype == blocks.CODE_DTYPE and _named(leaves[i][0], roots, mirrored) for i in chosen
+        )
         if seeds is None and not any(isinstance(x, jax.core.Tracer) for x in xs):
             stored = _stored_to_nearest(xs, dtype, block_size, rooted)
         else:
@@ -219,7 +235,7 @@ def low_precision_state(
         inner_state = inner.init(_to_float32(params))
         _refuse_inside(inner_state)
         return LowPrecisionState(
-            encode(inner_state, None),
+            encode(inner_state, None, params),
             None if stored_key is None else jnp.asarray(stored_key.data),
         )
 
@@ -243,7 +259,7 @@ def low_precision_state(
             _to_float32(updates), decode(state.inner), _to_float32(params), **extra_args
         )
         following, draw = (None, None) if stored_key is None else stored_key.split(state.key)
-        return new_updates, LowPrecisionState(encode(inner_state, draw), following)
+        return new_updates, LowPrecisionState(encode(inner_state, draw, updates), following)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
