@@ -331,8 +331,10 @@ def _find(state: Any) -> LossScalingState:
 def loss_scale_of(state: Any) -> Any:
     """The current loss scale in an optimizer state built by :func:`dynamic_loss_scaling`.
 
-    Found also when the state is nested, in ``optax.chain``'s for instance. Call its
-    ``scale(loss)`` inside the function you differentiate.
+    Found also when the state is nested (in a dict, a tuple or another transformation's
+    state). Call its ``scale(loss)`` inside the function you differentiate. Put clipping
+    inside :func:`dynamic_loss_scaling`, as below: a transformation chained before it would
+    see the scaled gradients.
 
     Args:
         state: An optimizer state that holds exactly one :class:`LossScalingState`.
@@ -345,8 +347,8 @@ def loss_scale_of(state: Any) -> Any:
 
     Example:
         >>> import autocast.optax, jax.numpy as jnp, optax
-        >>> tx = optax.chain(optax.clip(1.0), autocast.optax.dynamic_loss_scaling(optax.sgd(0.1)))
-        >>> autocast.optax.loss_scale_of(tx.init(jnp.ones(2))).loss_scale
+        >>> tx = autocast.optax.dynamic_loss_scaling(optax.chain(optax.clip(1.0), optax.sgd(0.1)))
+        >>> autocast.optax.loss_scale_of({"optimizer": tx.init(jnp.ones(2))}).loss_scale
         Array(32768., dtype=float32)
     """
     return _find(state).loss_scale
