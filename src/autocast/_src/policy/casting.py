@@ -51,12 +51,12 @@ def cast_memo() -> Iterator[None]:
 
 
 def cast_value(x: Any, dtype: Any) -> Any:
-    """Casts one value; NumPy constants are cast on the host so no device work is traced."""
+    """Casts one value; NumPy constants are cast on the host so no device work is traced,
+    and keep their sign and stay finite (:func:`narrowed_constant`)."""
     if x.dtype == dtype:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
-        with np.errstate(over="ignore"):  # -1e9 in float16 is -inf, as it is on a device
-            return np.asarray(x).astype(dtype)
+        return narrowed_constant(x, dtype)
     if not _cast_memos:
         return _compat.convert(x, dtype)
     memo = _cast_memos[-1]
@@ -65,3 +65,32 @@ def cast_value(x: Any, dtype: Any) -> Any:
     if hit is None:
         hit = memo[key] = (x, _compat.convert(x, dtype))
     return hit[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _finite_range(dtype: Any, target: Any) -> tuple[float, float] | None:
+    """``target``'s finite range where it is narrower than ``dtype``'s, else None."""
+    if not (jnp.issubdtype(target, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)):
+        return None
+    lowest, highest = float(jnp.finfo(target).min), float(jnp.finfo(target).max)
+    return (lowest, highest) if highest < float(jnp.finfo(dtype).max) else None
+
+
+def narrowed_constant(x: Any, dtype: Any) -> np.ndarray:
+    """A constant of the program in ``dtype``, cast on the host. A finite value beyond
+    ``dtype``'s range becomes its finite extreme of the same sign, not an infinity:
+    programs write float32's extremes to mean "as low as it gets, but finite" (attention
+    masks filled with ``finfo(float32).min``, ``nan_to_num``'s bounds), and in 16 bits an
+    infinity there turns a fully masked row's softmax into NaN. infs and NaNs stay."""
+    x = np.asarray(x)
+    bounds = _finite_range(x.dtype, np.dtype(dtype))
+    if bounds is not None:
+        x = np.where(np.isfinite(x), np.clip(x, *bounds), x).astype(x.dtype)
+    return x.astype(dtype)
+
+
+def folded_cast(x: Any, dtype: Any) -> np.ndarray:
+    """A cast the program wrote, of a constant, done on the host as the device would do it
+    (``-1e9`` in float16 is -inf there too)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x).astype(dtype)

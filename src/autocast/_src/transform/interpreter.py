@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
-from autocast._src.policy.casting import cast_memo, cast_value, castable
+from autocast._src.policy.casting import cast_memo, cast_value, castable, folded_cast
 from autocast._src.policy.precision import (
     CUSTOM_BINDINGS,
     INPUT_PRECISION_EXPONENTS,
@@ -628,7 +628,7 @@ def apply_first_order(
     )
     if eqn.primitive.name == "convert_element_type" and isinstance(invars[0], np.generic):
         # A cast of a constant is folded on the host, so it costs no equation.
-        return cast_value(invars[0], params["new_dtype"])
+        return folded_cast(invars[0], params["new_dtype"])
     params = _compat.retype_scalar_computation(eqn, invars, params)
     custom = CUSTOM_BINDINGS.get(rule)
     if custom is not None:
