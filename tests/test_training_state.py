@@ -146,15 +146,31 @@ def test_square_roots_keep_small_second_moments_that_plain_codes_flush():
     np.testing.assert_allclose(rooted, nu, rtol=2**-3)
 
 
-@pytest.mark.parametrize("name", ["nu", "other"])
+class _Inner(NamedTuple):  # parameter trees with attribute names, as Equinox's
+    w: jax.Array
+
+
+class _Outer(NamedTuple):
+    w: jax.Array
+    nu: _Inner
+
+
+_NAMED_LIKE_MOMENTS = {
+    # a dict key and an attribute called nu: Adam's mu["nu"] and mu["a"].nu.w
+    "key": {"nu": jnp.zeros((4, 8)), "other": jnp.zeros((2, 8))},
+    "attribute": {"a": _Outer(jnp.zeros((2, 8)), _Inner(jnp.zeros((3, 8))))},
+    # at the top, the inner w's path .nu.w ends Adam's nu of the outer w, [0].nu.w
+    "top": _Outer(jnp.zeros((2, 8)), _Inner(jnp.zeros((3, 8)))),
+}
+
+
+@pytest.mark.parametrize("name", list(_NAMED_LIKE_MOMENTS))
 def test_a_parameter_named_like_a_second_moment_keeps_a_signed_first_moment(name):
     # Adam's first moment of a parameter called "nu" lives at mu["nu"]: the name is the
     # parameter's, not the state's, so it is stored signed (it once became a square root,
-    # its negative values zero, and the second step moved the parameter by half as much)
-    class Mirror(NamedTuple):  # a parameter tree with attribute names, as Equinox's
-        nu: jax.Array
-
-    params = {name: jnp.zeros((4, 8)), "tree": Mirror(jnp.zeros((2, 8)))}
+    # its negative values zero, and the second step moved the parameter by half as much),
+    # and a second moment stays a square root whatever its parameter is called
+    params = _NAMED_LIKE_MOMENTS[name]
     grads = jax.tree_util.tree_map(lambda p: -jnp.ones_like(p), params)
     tx, plain = ao.low_precision_state(optax.adam(1e-2), E4M3), optax.adam(1e-2)
     state, want_state = tx.init(params), plain.init(params)

@@ -413,10 +413,16 @@ def test_float32_extremes_in_a_mask_stay_finite_so_padded_rows_keep_finite_gradi
     for got in (jax.grad(amp_loss)(W, X), autocast.amp(jax.grad(loss), compute_dtype=dtype)(W, X)):
         assert bool(jnp.all(jnp.isfinite(got)))
         assert _measure.relative_error(got, want) < 0.05
-    # a cast the program writes itself still overflows, as on a device
-    wrote = lambda x: x.sum() + lax.convert_element_type(np.float32(-1e9), F16).astype(F32)  # noqa: E731
-    with np.errstate(over="ignore"):  # JAX casts the NumPy scalar on the host
-        assert float(autocast.amp(wrote, compute_dtype=dtype)(X)) == -np.inf
+    # a cast the program writes itself overflows, as on a device (the inner jit keeps the
+    # cast in the program, which a cast of a NumPy scalar at trace time would not)
+    inner = jax.jit(lambda c, x: x.sum() + c.astype(F16).astype(F32))
+    wrote = lambda x: inner(np.finfo(np.float32).min, x)  # noqa: E731
+    assert float(autocast.amp(wrote, compute_dtype=dtype)(X)) == -np.inf
+    # and so does any other constant beyond the range: x * 1e5 in float16 is inf, which loss
+    # scaling sees (at 65504 it would be a wrong finite number)
+    times = jaxpr_of(autocast.amp(lambda w, x: (x @ w) * 1e5, compute_dtype=F16), W, X)
+    big = [_literal(v) for e in eqns_named(times, "mul") for v in e.invars]
+    assert [float(v) for v in big if v is not None] == [np.inf]
 
 
 def _literal(var):

@@ -68,25 +68,40 @@ def cast_value(x: Any, dtype: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _finite_range(dtype: Any, target: Any) -> tuple[float, float] | None:
-    """``target``'s finite range where it is narrower than ``dtype``'s, else None."""
+def _saturation(dtype: Any, target: Any) -> tuple[float, float, float] | None:
+    """Where ``target``'s range is narrower than ``dtype``'s: its largest finite magnitude,
+    the magnitude up to which a value beyond it only rounds away (one of its spacings at the
+    top), and ``dtype``'s largest finite magnitude. Else None."""
     if not (jnp.issubdtype(target, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)):
         return None
-    lowest, highest = float(jnp.finfo(target).min), float(jnp.finfo(target).max)
-    return (lowest, highest) if highest < float(jnp.finfo(dtype).max) else None
+    info, source_max = jnp.finfo(target), float(jnp.finfo(dtype).max)
+    highest = float(info.max)
+    if highest >= source_max:
+        return None
+    return highest, highest * (1 + 2.0 ** -int(info.nmant)), source_max
 
 
 def narrowed_constant(x: Any, dtype: Any) -> np.ndarray:
-    """A constant of the program in ``dtype``, cast on the host. A finite value beyond
-    ``dtype``'s range becomes its finite extreme of the same sign, not an infinity:
-    programs write float32's extremes to mean "as low as it gets, but finite" (attention
-    masks filled with ``finfo(float32).min``, ``nan_to_num``'s bounds), and in 16 bits an
-    infinity there turns a fully masked row's softmax into NaN. infs and NaNs stay."""
+    """A constant of the program in ``dtype``, cast on the host. Two kinds of finite value
+    beyond ``dtype``'s range become its finite extreme of the same sign, not an infinity:
+    one within a spacing of that range (float32's extremes in bfloat16: a rounding, not an
+    overflow), and the source dtype's own extremes, which programs write to mean "as low as
+    it gets, but finite" (attention masks filled with ``finfo(float32).min``, ``nan_to_num``'s
+    bounds: in 16 bits an infinity there turns a fully masked row's softmax into NaN). Any
+    other value beyond the range overflows, as on a device (``x * 1e5`` in float16 is inf,
+    which loss scaling sees), and infs and NaNs stay."""
     x = np.asarray(x)
-    bounds = _finite_range(x.dtype, np.dtype(dtype))
+    with np.errstate(over="ignore"):
+        out = x.astype(dtype)
+    bounds = _saturation(x.dtype, np.dtype(dtype))
     if bounds is not None:
-        x = np.where(np.isfinite(x), np.clip(x, *bounds), x).astype(x.dtype)
-    return x.astype(dtype)
+        highest, rounds, source_max = bounds
+        magnitude = np.abs(x.astype(np.float64))
+        kept = np.isfinite(magnitude) & (magnitude > highest)
+        kept &= (magnitude <= rounds) | (magnitude >= source_max)
+        if kept.any():
+            out = np.where(kept, np.sign(x.astype(np.float64)) * highest, out).astype(dtype)
+    return out
 
 
 def folded_cast(x: Any, dtype: Any) -> np.ndarray:

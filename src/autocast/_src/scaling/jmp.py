@@ -40,9 +40,9 @@ class LossScale(abc.ABC):
     all instances, so it serves in annotations and ``isinstance`` checks. A loss scale has a
     float32 ``loss_scale`` and three methods: ``scale(tree)`` multiplies the floating-point
     leaves of a tree (the loss, usually) by it, promoting 16-bit leaves to float32 so that the
-    scaled loss cannot overflow; ``unscale(tree)`` divides the floating-point leaves (the
-    gradients) by it and keeps each leaf's dtype; ``adjust(grads_finite)`` returns the next
-    state. It cannot be instantiated itself.
+    scaled loss cannot overflow; ``unscale(tree)`` divides the floating-point and complex
+    leaves (the gradients) by it and keeps each leaf's dtype; ``adjust(grads_finite)``
+    returns the next state. It cannot be instantiated itself.
 
     Attributes:
         loss_scale: The current scale, a float32 scalar array.

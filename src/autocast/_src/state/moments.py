@@ -72,23 +72,33 @@ def _storage_dtype(dtype: Any) -> Any:
     )
 
 
-def _named(path: Any, names: frozenset[str], mirrored: frozenset[tuple[str, ...]]) -> bool:
+def _steps(path: Any) -> tuple[str, ...]:
+    """A key path an entry at a time, as ``keystr`` writes each."""
+    return tuple(jax.tree_util.keystr((entry,)) for entry in path)
+
+
+def _mirrors(state_paths: list[tuple[str, ...]], mirrored: frozenset) -> frozenset:
+    """The prefixes of the state's paths under which the state mirrors the parameters
+    (``mirrored``: each parameter's own path): every leaf below one ends in a parameter's
+    path (Adam's ``.mu``; not ``[0]``, which also holds ``.count``)."""
+    below: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
+    for steps in state_paths:
+        for cut in range(len(steps) + 1):
+            below.setdefault(steps[:cut], set()).add(steps[cut:])
+    return frozenset(prefix for prefix, ends in below.items() if ends <= mirrored)
+
+
+def _named(path: Any, names: frozenset[str], mirrors: frozenset) -> bool:
     """Whether a field on ``path`` is one of ``names``, looking only above the parameter
-    tree the state mirrors there (``mirrored``: every parameter's own path): Adam's first
+    tree the state mirrors there (the shortest of ``mirrors`` on the path): Adam's first
     moment of a parameter named ``nu`` is ``mu['nu']``, and is not a second moment."""
-    steps = tuple(jax.tree_util.keystr((entry,)) for entry in path)
-    own = next((cut for cut in range(len(steps) + 1) if steps[cut:] in mirrored), len(steps))
+    steps = _steps(path)
+    own = next((cut for cut in range(len(steps) + 1) if steps[:cut] in mirrors), len(steps))
     for entry in path[:own]:
         name = getattr(entry, "name", getattr(entry, "key", None))
         if isinstance(name, str) and name in names:
             return True
     return False
-
-
-def _paths(tree: Any) -> frozenset[tuple[str, ...]]:
-    """The path of every leaf of ``tree``, an entry at a time as ``keystr`` writes it."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return frozenset(tuple(jax.tree_util.keystr((e,)) for e in path) for path, _ in leaves)
 
 
 def _compactable(x: Any) -> bool:
@@ -184,15 +194,18 @@ def low_precision_state(
     inner = optax.with_extra_args_support(inner)
 
     def encode(state: Any, draw: Any, params: Any) -> Any:
-        # params: the parameters or the gradients, whose structure the state's moments mirror
-        mirrored = _paths(params) if roots and dtype == blocks.CODE_DTYPE else frozenset()
         leaves, tree = jax.tree_util.tree_flatten_with_path(state)
+        # params: the parameters or the gradients, whose structure the state's moments mirror
+        mirrors: frozenset = frozenset()
+        if roots and dtype == blocks.CODE_DTYPE:
+            own = jax.tree_util.tree_flatten_with_path(params)[0]
+            mirrors = _mirrors([_steps(p) for p, _ in leaves], frozenset(_steps(p) for p, _ in own))
         chosen = [i for i, (_, x) in enumerate(leaves) if _compactable(x)]
         seeds = None if draw is None else _bits.seeds(draw, max(len(chosen), 1))
         out = [x for _, x in leaves]
         xs = [leaves[i][1] for i in chosen]
         rooted = tuple(
-            dtype == blocks.CODE_DTYPE and _named(leaves[i][0], roots, mirrored) for i in chosen
+            dtype == blocks.CODE_DTYPE and _named(leaves[i][0], roots, mirrors) for i in chosen
         )
         if seeds is None and not any(isinstance(x, jax.core.Tracer) for x in xs):
             stored = _stored_to_nearest(xs, dtype, block_size, rooted)
