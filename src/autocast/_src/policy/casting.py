@@ -51,8 +51,8 @@ def cast_memo() -> Iterator[None]:
 
 
 def cast_value(x: Any, dtype: Any) -> Any:
-    """Casts one value; NumPy constants are cast on the host so no device work is traced,
-    and keep their sign and stay finite (:func:`narrowed_constant`)."""
+    """Casts one value; NumPy constants are cast on the host so no device work is traced
+    (float32's extremes among them stay finite: :func:`narrowed_constant`)."""
     if x.dtype == dtype:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
