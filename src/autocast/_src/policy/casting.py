@@ -94,14 +94,15 @@ def narrowed_constant(x: Any, dtype: Any) -> np.ndarray:
     with np.errstate(over="ignore"):
         out = x.astype(dtype)
     bounds = _saturation(x.dtype, np.dtype(dtype))
-    if bounds is not None:
-        highest, rounds, source_max = bounds
-        magnitude = np.abs(x.astype(np.float64))
-        kept = np.isfinite(magnitude) & (magnitude > highest)
-        kept &= (magnitude <= rounds) | (magnitude >= source_max)
-        if kept.any():
-            out = np.where(kept, np.sign(x.astype(np.float64)) * highest, out).astype(dtype)
-    return out
+    # every literal of every program passes here: look closer only where the cast overflowed
+    if bounds is None or np.isfinite(out).all():
+        return out
+    highest, rounds, source_max = bounds
+    wide = x.astype(np.float64)
+    magnitude = np.abs(wide)
+    kept = np.isfinite(magnitude) & (magnitude > highest)
+    kept &= (magnitude <= rounds) | (magnitude >= source_max)
+    return np.where(kept, np.sign(wide) * highest, out).astype(dtype) if kept.any() else out
 
 
 def folded_cast(x: Any, dtype: Any) -> np.ndarray:

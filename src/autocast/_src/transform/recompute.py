@@ -200,10 +200,11 @@ def _walk(roots: Sequence[Link]) -> tuple[list[Link], list[Any]]:
 
     def leaf(a: Any) -> None:
         a = _undeferred(a)
-        if isinstance(a, Link) and _bound(a) is not None:
+        value = _bound(a) if isinstance(a, Link) else None
+        if value is not None:
             if _accounts:  # what reads the link reads its value (_read_later)
-                _accounts[-1].stops[id(_bound(a))] = a  # the link holds the value: ids stay
-            a = _bound(a)
+                _accounts[-1].stops[id(value)] = a  # the link holds the value: ids stay
+            a = value
         if not _is_constant(a):
             leaves.setdefault(id(a), a)
 
