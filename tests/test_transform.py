@@ -11,6 +11,7 @@ from conftest import DETERMINISTIC, eqns_named, jaxpr_of, operand_dtypes, progra
 from jax import lax
 
 import autocast
+from autocast import _compat
 from autocast._src.demo import models as _models
 from autocast._src.tools import measure as _measure
 
@@ -427,7 +428,7 @@ def test_float32_extremes_in_a_mask_stay_finite_so_padded_rows_keep_finite_gradi
 
 def _literal(var):
     """A literal's value, or None for a variable."""
-    return getattr(var, "val", None) if type(var).__name__ == "Literal" else None
+    return _compat.literal_value(var) if isinstance(var, jax.extend.core.Literal) else None
 
 
 def test_a_bias_follows_the_activation_but_parameters_do_not_follow_gradients():

@@ -91,11 +91,12 @@ def narrowed_constant(x: Any, dtype: Any) -> np.ndarray:
     other value beyond the range overflows, as on a device (``x * 1e5`` in float16 is inf,
     which loss scaling sees), and infs and NaNs stay."""
     x = np.asarray(x)
-    with np.errstate(over="ignore"):
-        out = x.astype(dtype)
-    bounds = _saturation(x.dtype, np.dtype(dtype))
+    out = folded_cast(x, dtype)
     # every literal of every program passes here: look closer only where the cast overflowed
-    if bounds is None or np.isfinite(out).all():
+    if np.isfinite(out).all():
+        return out
+    bounds = _saturation(x.dtype, np.dtype(dtype))
+    if bounds is None:
         return out
     highest, rounds, source_max = bounds
     wide = x.astype(np.float64)

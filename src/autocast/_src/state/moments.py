@@ -88,17 +88,27 @@ def _mirrors(state_paths: list[tuple[str, ...]], mirrored: frozenset) -> frozens
     return frozenset(prefix for prefix, ends in below.items() if ends <= mirrored)
 
 
-def _named(path: Any, names: frozenset[str], mirrors: frozenset) -> bool:
-    """Whether a field on ``path`` is one of ``names``, looking only above the parameter
-    tree the state mirrors there (the shortest of ``mirrors`` on the path): Adam's first
-    moment of a parameter named ``nu`` is ``mu['nu']``, and is not a second moment."""
-    steps = _steps(path)
+def _named(path: Any, steps: tuple[str, ...], names: frozenset[str], mirrors: frozenset) -> bool:
+    """Whether a field on ``path`` (``steps``, as :func:`_steps` writes it) is one of
+    ``names``, looking only above the parameter tree the state mirrors there (the shortest of
+    ``mirrors`` on the path): Adam's first moment of a parameter named ``nu`` is
+    ``mu['nu']``, and is not a second moment."""
     own = next((cut for cut in range(len(steps) + 1) if steps[:cut] in mirrors), len(steps))
     for entry in path[:own]:
         name = getattr(entry, "name", getattr(entry, "key", None))
         if isinstance(name, str) and name in names:
             return True
     return False
+
+
+def _nonnegative_fields(paths: list[Any], params: Any, names: frozenset[str]) -> list[bool]:
+    """For each of a state's leaf ``paths``, whether it lies in a field of ``names`` above
+    the parameter tree (``params``: the parameters or the gradients, whose structure the
+    state's moments mirror)."""
+    steps = [_steps(path) for path in paths]
+    own = frozenset(_steps(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+    mirrors = _mirrors(steps, own)
+    return [_named(path, s, names, mirrors) for path, s in zip(paths, steps)]
 
 
 def _compactable(x: Any) -> bool:
@@ -195,18 +205,14 @@ def low_precision_state(
 
     def encode(state: Any, draw: Any, params: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten_with_path(state)
-        # params: the parameters or the gradients, whose structure the state's moments mirror
-        mirrors: frozenset = frozenset()
+        named = [False] * len(leaves)  # square roots: 8-bit codes only
         if roots and dtype == blocks.CODE_DTYPE:
-            own = jax.tree_util.tree_flatten_with_path(params)[0]
-            mirrors = _mirrors([_steps(p) for p, _ in leaves], frozenset(_steps(p) for p, _ in own))
+            named = _nonnegative_fields([path for path, _ in leaves], params, roots)
         chosen = [i for i, (_, x) in enumerate(leaves) if _compactable(x)]
         seeds = None if draw is None else _bits.seeds(draw, max(len(chosen), 1))
         out = [x for _, x in leaves]
         xs = [leaves[i][1] for i in chosen]
-        rooted = tuple(
-            dtype == blocks.CODE_DTYPE and _named(leaves[i][0], roots, mirrors) for i in chosen
-        )
+        rooted = tuple(named[i] for i in chosen)
         if seeds is None and not any(isinstance(x, jax.core.Tracer) for x in xs):
             stored = _stored_to_nearest(xs, dtype, block_size, rooted)
         else:
