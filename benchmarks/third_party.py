@@ -66,6 +66,13 @@ TS = jnp.linspace(0.0, 1.0, 5)
 TARGET = jnp.stack([jnp.cos(TS), jnp.sin(TS)], -1)
 
 
+def vector_field(t: Any, y: Any, model: Any) -> Any:
+    """The neural ODE's right-hand side: ``model`` applied to the state. One function for
+    every solve (diffrax jits its solver with the term static: a new lambda each call would
+    be a new program to trace, in every test that solves it)."""
+    return model(y)
+
+
 def neural_ode_loss(model: Any, y0: Any = None, adjoint: Any = None) -> Any:
     """The mean squared distance of a neural ODE's path (vector field ``model``, from ``y0``,
     by default ``[1, 0]``) to the circle at ``TS``: diffrax's Tsit5 with an adaptive step,
@@ -73,7 +80,7 @@ def neural_ode_loss(model: Any, y0: Any = None, adjoint: Any = None) -> Any:
     import diffrax
 
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(lambda t, y, m: m(y)),
+        diffrax.ODETerm(vector_field),
         diffrax.Tsit5(),
         0.0,
         1.0,

@@ -32,6 +32,13 @@ def true_field(t, y, args):
     return jnp.array([[-0.1, 1.0], [-1.0, -0.1]]) @ y
 
 
+def model_field(t, y, model):
+    """The learnt dynamics: the MLP applied to the state. One named function rather than a
+    lambda per call: diffrax's solver is jitted with the term as a static argument, and a
+    new lambda is a new solver program to trace."""
+    return model(y)
+
+
 def solve(field, y0: jax.Array, args=None) -> jax.Array:
     sol = diffrax.diffeqsolve(
         diffrax.ODETerm(field),
@@ -53,7 +60,7 @@ def make_data(key: jax.Array, n: int = 16) -> tuple[jax.Array, jax.Array]:
 
 
 def loss(model: eqx.nn.MLP, y0: jax.Array, ys: jax.Array) -> jax.Array:
-    pred = jax.vmap(lambda y: solve(lambda t, y, m: m(y), y, model))(y0)
+    pred = jax.vmap(lambda y: solve(model_field, y, model))(y0)
     return jnp.mean((pred - ys) ** 2)
 
 

@@ -372,9 +372,10 @@ def _model(framework: str, what: str) -> tuple[Callable[..., Any], Any]:
 @functools.cache
 def _reference(framework: str, what: str) -> tuple[Any, Any]:
     """float32's loss and SGD step of a model, the same for every compute dtype and scaling
-    face: computed once per process (the models are made from fixed keys)."""
+    face: computed once per process (the models are made from fixed keys), as one program
+    (eagerly, each of its operations would be a program XLA compiles)."""
     loss, params = _model(framework, what)
-    value, grads = jax.value_and_grad(loss)(params, *_data())
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, *_data())
     return value, _sgd(params, grads)
 
 
@@ -435,10 +436,12 @@ def _forward_cell(compute: str, mode: str) -> dict:
     history = fn.init(params, x, y) if compute == "fp8 delayed" else None
     run = (lambda p: fn(history, p, x, y)) if history is not None else (lambda p: fn(p, x, y))
     if mode == "while_loop value":
-        got, want = jax.jit(run)(params), loss(params, x, y)
+        got, want = jax.jit(run)(params), jax.jit(loss)(params, x, y)
     else:
         got = jax.jit(lambda p, t: jax.jvp(run, (p,), (t,))[1])(params, tangent)
-        want = jax.jvp(lambda p: loss(p, x, y), (params,), (tangent,))[1]
+        want = jax.jit(lambda p, t: jax.jvp(lambda q: loss(q, x, y), (p,), (t,))[1])(
+            params, tangent
+        )
     error = abs(float(got) - float(want)) / abs(float(want))
     return {"param_error": 0.0, "loss_error": error, "scale": 1.0, "skipped": 0}
 
@@ -459,13 +462,13 @@ def _extra_cell(compute: str, scaling: str, extra: str) -> dict:
             return optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(LR))
         return optax.MultiSteps(optax.sgd(LR), every_k_schedule=2).gradient_transformation()
 
-    want = params
+    want, grad = params, jax.jit(jax.grad(loss))  # the float32 reference, each a program
     tx = optimizer()
     state = tx.init(params)
     for xb, yb in batches:
-        updates, state = tx.update(jax.grad(loss)(want, xb, yb), state, want)
+        updates, state = tx.update(grad(want, xb, yb), state, want)
         want = optax.apply_updates(want, updates)
-    grad_norm = optax.global_norm(jax.grad(loss)(params, x, y))
+    grad_norm = optax.global_norm(grad(params, x, y))
     amp_loss = _under_compute(loss, compute)
     if scaling == "optax face":
         if extra == "accumulate, scaling inside":
