@@ -94,6 +94,12 @@ def neural_ode_loss(model: Any, y0: Any = None, adjoint: Any = None) -> Any:
     return jnp.mean((sol.ys - TARGET) ** 2)
 
 
+def _root_residual(y: Any, w: Any) -> Any:
+    """What the root find drives to zero (one function for every solve, as for
+    :func:`vector_field`: optimistix jits its solver with the function static)."""
+    return jnp.tanh(w @ y) + y - 1.0
+
+
 def root_loss(w: Any) -> Any:
     """The squared norm of the root of ``tanh(w @ y) + y = 1``, found by optimistix's Newton
     to bfloat16's resolution (a function evaluated in 16 bits cannot be driven below its own
@@ -101,7 +107,7 @@ def root_loss(w: Any) -> Any:
     import optimistix as optx
 
     sol = optx.root_find(
-        lambda y, a: jnp.tanh(a @ y) + y - 1.0,
+        _root_residual,
         optx.Newton(rtol=1e-2, atol=1e-2),
         jnp.zeros(2),
         args=w,

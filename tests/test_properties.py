@@ -184,12 +184,15 @@ def make_inputs(
             k = rng.integers(0, 3)
             flat = v.reshape(-1)
             flat[rng.integers(0, flat.size, k)] = rng.choice([np.inf, -np.inf, np.nan, 0.0], k)
-    floats = {k: jnp.asarray(v, dtype=dtypes.get(k, F32)) for k, v in raw.items()}
+    # converted by NumPy and put on the device as they are: jnp.asarray converts through an
+    # eager operation, a program compiled for each new shape hypothesis draws
+    put = lambda v, dtype: jax.device_put(np.asarray(v, np.dtype(dtype)))  # noqa: E731
+    floats = {k: put(v, dtypes.get(k, F32)) for k, v in raw.items()}
     others = {}
     if prog.has_int:
-        others["i"] = jnp.asarray(rng.integers(-3, 4, (n, d)), dtype=jnp.int32)
+        others["i"] = put(rng.integers(-3, 4, (n, d)), jnp.int32)
     if prog.has_mask:
-        others["m"] = jnp.asarray(rng.random((n, d)) < 0.5)
+        others["m"] = put(rng.random((n, d)) < 0.5, jnp.bool_)
     return floats, others
 
 
