@@ -16,8 +16,7 @@ NEWEST_JAX ?= 0.12.0.1
 NEWEST_VENV := .venv-newest-$(NEWEST_JAX)
 NEWEST_PYTHON ?=
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist): one per core, and a worker that runs out takes half of what
-# another has queued (worksteal); TEST_WORKERS=0 runs in this process.
+# Test processes (pytest-xdist): one per core; TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
 DEMO_ARGS ?=
 BENCH_ARGS ?=
@@ -78,7 +77,7 @@ test: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The edit-test loop: ruff on the Python files changed since the last commit, then everything
 # but the tests marked slow (CI runs them all, with ruff over the tree, in make test).
@@ -89,13 +88,13 @@ test-fast: $(VENV)/.installed
 		echo "ruff on $$(echo $$changed | wc -w) changed file(s)"; \
 		$(VENV)/bin/ruff check $$changed && $(VENV)/bin/ruff format --check $$changed; \
 	fi
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # The oldest and the newest JAX run every test but those marked once: long training runs and
 # benchmark scripts whose verdict does not hinge on the JAX version, which make test runs.
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
-	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not once" $(PYTEST_ARGS)
+	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not once" $(PYTEST_ARGS)
 
 test-newest:
 	@.ci/newest_python.sh $(MAKE)
@@ -105,7 +104,7 @@ test-newest:
 newest-suite: $(NEWEST_VENV)/.installed
 	$(NEWEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}"); \
 		assert jax.__version__ == "$(NEWEST_JAX)", "$(NEWEST_VENV) holds another JAX"'
-	$(NEWEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not once" $(PYTEST_ARGS)
+	$(NEWEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not once" $(PYTEST_ARGS)
 
 # Leaves the Debian root (.newest-root/) alone: it takes minutes to build and is reused.
 clean:

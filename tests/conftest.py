@@ -74,34 +74,6 @@ def pytest_unconfigure(config: Any) -> None:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# The modules with the suite's longest tests (test-seconds of make test and make test-oldest
-# on 7eee3fa), longest first. They run first, so that what each xdist worker has left at the
-# end is short: with the make targets' --dist worksteal an idle worker takes half of what the
-# other has queued, but cannot share the test it is running. In collection order the diffrax
-# tests (40 s each) came near the end, and one worker ran them for 80 s while the other idled.
-# An out-of-date list costs time, never a result.
-LONGEST_FIRST = (
-    "test_support_matrix.py",
-    "test_model_families.py",
-    "test_third_party.py",
-    "test_resnet_haiku.py",
-    "test_multiprocess.py",
-    "test_fp8_history.py",
-    "test_bench.py",
-    "test_fp8.py",
-    "test_examples.py",
-    "test_demo.py",
-    "test_scaler.py",
-    "test_training_state.py",
-)
-
-
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    # a stable sort: each module's tests keep their order, and so do the other modules
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
-
-
 # Tracing and lowering make and drop objects by the million, and each of Python's full
 # collections walked every object the imports made (JAX, Flax, the tests): 3.5% of a sample of
 # tests (test_transform, test_regions, test_recompute on JAX 0.6.2: 2.6 s of 73). Collected
