@@ -66,11 +66,11 @@ def _check(p, u, seed=(3, 5)):
         finite = np.isfinite(x) & (np.abs(x) <= float(jnp.finfo(dtype).max))
         near = np.maximum(_spacing(x, dtype), np.abs(p64) * 2.0**-23)
         with np.errstate(invalid="ignore"):  # inf - inf where x overflowed
-            gap = np.abs(r64 - x)
+            gap, moved = np.abs(r64 - x), np.abs(x - p64)
         limit = near if name == "sr" else near / 2
         #    but a normal parameter keeps its value where the rounded value would be less
         #    than 2**-126 from it (an update a CPU flushes to zero: landing_update)
-        kept = (r64 == p64) & (np.abs(p64) >= 2.0**-126) & (np.abs(x - p64) < 2.0**-126 + near)
+        kept = (r64 == p64) & (np.abs(p64) >= 2.0**-126) & (moved < 2.0**-126 + near)
         assert np.all(gap[finite & ~kept] <= limit[finite & ~kept] * (1 + 1e-9)), name
     return out
 
