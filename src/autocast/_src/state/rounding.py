@@ -37,7 +37,7 @@ hypothesis over every exponent, zeros of both signs and subnormal inputs. Subnor
 parameters cannot keep their value through float32 arithmetic on a CPU (it reads them as
 zero), so there the rounding reads them as zero too, and still lands where it says. For the
 same reason an update smaller than 2**-126 cannot move a parameter on a CPU: where the
-rounded value is that close to a normal parameter (bfloat16 parameters near 2**-126 only),
+rounded value is that close to a normal parameter (bfloat16 parameters below 2**-119 only),
 the parameter keeps its value on every platform, and Kahan's compensation keeps the update.
 """
 
@@ -130,15 +130,15 @@ def landing_update(r: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     A zero ``r`` becomes ``p`` where ``p`` is a zero of either sign and ``+0.0`` elsewhere
     (``p + (-p)`` is ``+0.0``); ``r`` becomes ``p`` where ``r - p`` would be below float32's
-    smallest normal, 2**-126 (bfloat16 values within a few spacings of it), which a CPU
-    flushes to zero; ``d`` is ``-0.0`` where ``r`` is ``p`` (so a ``-0.0`` parameter stays
-    ``-0.0``), ``r - p`` elsewhere.
+    smallest normal, 2**-126 (bfloat16 parameters below 2**-119, whose spacing is smaller),
+    which a CPU flushes to zero; ``d`` is ``-0.0`` where ``r`` is ``p`` (so a ``-0.0``
+    parameter stays ``-0.0``), ``r - p`` elsewhere.
     """
     p32 = p.astype(jnp.float32)
     r_zero = (_bits(r) & _MAGNITUDE) == 0
     p_zero = (_bits(p32) & _MAGNITUDE) == 0
     r = jnp.where(r_zero, jnp.where(p_zero, p32, 0.0), r)
-    # A step between two normal values near 2**-126 can be smaller than 2**-126 itself: a
+    # A step between two normal values below 2**-119 can be smaller than 2**-126 itself: a
     # CPU flushes such an update to zero, so apply_updates would leave p where it was while
     # the caller (Kahan's compensation) counts on r. The parameter keeps its value there on
     # every platform instead.
