@@ -7,10 +7,11 @@ CUDA plugin is 5.5 GB, so the suite does not install it)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import gpu_plans, load_script, needs_gpu_plan_venv
+from conftest import GPU_PLAN_VENV, gpu_plans, load_script, needs_gpu_plan_venv, users_environ
 
 ROOT = Path(__file__).parents[1]
 xla_program = load_script(ROOT / "benchmarks" / "xla_program.py")
@@ -83,3 +84,38 @@ def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
     for p in (linear, gpt):
         assert p["peak_mib"] > p["temporaries_mib"] > 0 and p["buffers"]
     assert "largest buffers live at the peak" in printed
+
+
+# Compiles for an H100 with no GPU: how many conversions a round trip through bfloat16 keeps,
+# and how many round-to-nearest-even operations the training state's rounding keeps.
+ROUNDING_FOR_A_GPU = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import gpu_plan, jax, jax.numpy as jnp
+from autocast._src.state import rounding
+where = gpu_plan.sharding("H100")
+x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+def program(f):
+    options = {"xla_gpu_autotune_level": 0}
+    compiled = jax.jit(f).lower(*gpu_plan._placed((x,), where)).compile(compiler_options=options)
+    return compiled.as_text()
+print(program(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32) * 2).count("convert("))
+print(program(lambda a: rounding.round_onto(a, jnp.bfloat16)).count("round-nearest-even("))
+"""
+
+
+@needs_gpu_plan_venv
+def test_a_gpu_program_keeps_the_training_states_rounding():
+    # XLA for a GPU removes a conversion to bfloat16 and back (excess precision), which is why
+    # the rounding is written in float32 and integer arithmetic alone
+    done = subprocess.run(
+        [str(GPU_PLAN_VENV / "bin" / "python"), "-c", ROUNDING_FOR_A_GPU, str(ROOT / "benchmarks")],
+        capture_output=True,
+        text=True,
+        env={**users_environ(), "PYTHONPATH": str(ROOT / "src")},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    round_trip_converts, roundings = map(int, done.stdout.split())
+    assert round_trip_converts == 0
+    assert roundings == 1

@@ -74,6 +74,11 @@ def _finest_spacing_exponent(dtype: Any) -> int:
     return max(int(np.log2(smallest)), _F32_TINY_EXPONENT)
 
 
+def _exponent(v: jax.Array) -> jax.Array:
+    """floor(log2(v)) of positive normal float32 values, read off their bits (-127 for 0)."""
+    return ((_bits(v) >> 23) & 0xFF).astype(jnp.int32) - 127
+
+
 def uniform24(bits: jax.Array) -> jax.Array:
     """The top 24 of 32 random bits as a float32 uniform on [0, 1), in steps of 2**-24."""
     return (bits >> 8).astype(jnp.float32) * float(2.0**-24)
@@ -90,36 +95,52 @@ def round_onto(x: jax.Array, dtype: Any, *, bits: jax.Array | None = None) -> ja
 
     Finite values beyond ``dtype``'s range saturate at its largest finite value; inf and
     NaN pass through.
+
+    The grid is computed in float32 and integer arithmetic alone, every operation exact: no
+    value of ``dtype`` appears in the program. A conversion to ``dtype`` and back would be
+    the rounding, but XLA on a GPU removes such a pair as excess precision
+    (``xla_allow_excess_precision``, on by default), and the values came back unrounded.
     """
     dtype = jnp.dtype(dtype)
+    info = jnp.finfo(dtype)
     x = x.astype(jnp.float32)
     finite = jnp.isfinite(x)
-    a = jnp.where(finite, jnp.minimum(jnp.abs(x), float(jnp.finfo(dtype).max)), 0.0)
+    a = jnp.where(finite, jnp.minimum(jnp.abs(x), float(info.max)), 0.0)
     floor = _finest_spacing_exponent(dtype)
     # bfloat16 reaches float32's subnormal range, whose arithmetic a CPU flushes to zero: tiny
     # magnitudes are scaled up by 2**64 (exactly; bfloat16's grid is the same up there) so
     # that no spacing or difference below is subnormal, and scaled back at the end.
-    scale = None
-    if jnp.finfo(dtype).minexp == jnp.finfo(jnp.float32).minexp:
+    scale = jnp.zeros(a.shape, jnp.int32)
+    if info.minexp == jnp.finfo(jnp.float32).minexp:
         scale = jnp.where(a < float(2.0**-60), 64, 0)
         a = a * _pow2(scale)
-    first = _pow2(floor + (0 if scale is None else scale))  # the first grid point above 0
-    # the dtype's neighbours of a; below the first normal value, 0 and that value
-    n = a.astype(dtype)  # the nearest, IEEE round to nearest even
-    n32 = n.astype(jnp.float32)
-    up = jnp.nextafter(n, jnp.asarray(jnp.finfo(dtype).max, dtype)).astype(jnp.float32)
-    down = jnp.nextafter(n, jnp.zeros_like(n)).astype(jnp.float32)
-    below = n32 <= a
+    first = _pow2(floor + scale)  # the first grid point above 0
+    # The spacing of the grid around v is 2**(exponent of v - mantissa bits), and below the
+    # dtype's normal range that of its subnormals.
+    subnormal = int(np.log2(float(info.smallest_subnormal))) + scale
+
+    def spacing_exponent(v: jax.Array, binade_below: jax.Array | bool = False) -> jax.Array:
+        return jnp.maximum(_exponent(v) - info.nmant - binade_below, subnormal)
+
+    # the nearest grid value: a scaled to units of its spacing, rounded half to even
+    e = spacing_exponent(a)
+    n = lax.round(a * _pow2(-e), lax.RoundingMethod.TO_NEAREST_EVEN) * _pow2(e)
+    # its neighbours; below the first normal value, 0 and that value
+    e_n = spacing_exponent(n)
+    power_of_two = (_bits(n) & 0x7FFFFF) == 0
+    up = n + _pow2(e_n)
+    down = n - _pow2(spacing_exponent(n, power_of_two.astype(jnp.int32)))
+    below = n <= a
     tiny = a < first
-    lo = jnp.where(tiny, 0.0, jnp.where(below, n32, down))
-    hi = jnp.where(tiny, first, jnp.where(below, up, n32))
+    lo = jnp.where(tiny, 0.0, jnp.where(below, n, down))
+    hi = jnp.where(tiny, first, jnp.where(below, up, n))
     if bits is None:
-        magnitude = jnp.where(tiny, jnp.where(a > first / 2, first, 0.0), n32)
+        magnitude = jnp.where(tiny, jnp.where(a > first / 2, first, 0.0), n)
     else:
-        chance = (a - lo) / jnp.where(hi > lo, hi - lo, 1.0)
+        # hi - lo is a power of two: its reciprocal is exact, a division might not be
+        chance = (a - lo) * _pow2(-_exponent(hi - lo))
         magnitude = jnp.where(uniform24(bits) < chance, hi, lo)
-    if scale is not None:
-        magnitude = magnitude * _pow2(-scale)
+    magnitude = magnitude * _pow2(-scale)
     signed = lax.bitcast_convert_type(_bits(magnitude) | (_bits(x) & _SIGN), jnp.float32)
     return jnp.where(finite, signed, x)
 
