@@ -208,15 +208,22 @@ def test_which_devices_have_float8_gemms():
     assert not fp8._has_float8_gemms([_device("gpu", "8.0")])  # an A100: none
     assert not fp8._has_float8_gemms([_device("gpu", "gfx942")])  # AMD's numbering
     assert not fp8._has_float8_gemms([types.SimpleNamespace(platform="cpu")])
-    assert not fp8._float8_gemm_devices()  # this machine's CPU
+    # this machine's devices: none on a CPU; an H100 (9.0) has them
+    assert fp8._float8_gemm_devices() == fp8._has_float8_gemms(jax.devices())
+    if jax.default_backend() == "cpu":
+        assert not fp8._float8_gemm_devices()
 
 
 def test_e5m2_everywhere_is_refused_where_no_float8_gemm_takes_it(monkeypatch):
     # cuBLASLt multiplies e4m3 by e4m3 or e5m2, never e5m2 by e5m2: XLA converts the pair
     # to bfloat16 (docs/fp8.md, "Hardware")
     x, w = _args()
-    accepted = autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)  # a CPU: it runs
-    assert np.isfinite(float(accepted(x, w)))
+    if fp8._float8_gemm_devices():
+        with pytest.raises(ValueError, match=r"float8_e5m2.*NVIDIA.*compute_dtype='fp8'"):
+            autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)
+    else:  # a CPU: it runs
+        accepted = autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)
+        assert np.isfinite(float(accepted(x, w)))
     monkeypatch.setattr(fp8, "_float8_gemm_devices", lambda: True)
     with pytest.raises(ValueError, match=r"float8_e5m2.*NVIDIA.*compute_dtype='fp8'"):
         autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import division_ulps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -211,24 +212,16 @@ def _run_flags(ls, flags):
     return lax.scan(body, ls, flags)
 
 
-def _reference(flags, scale, counter, period, factor, floor):
-    """The rule in plain Python, with float32 arithmetic."""
+def _reference_step(scale, counter, period, factor, floor, finite):
+    """One step of the rule in plain Python, with float32 arithmetic."""
     scale, factor, floor = np.float32(scale), np.float32(factor), np.float32(floor)
-    trail = []
+    if not finite:
+        return max(np.float32(scale / factor), floor), 0
+    if counter + 1 < period:
+        return scale, counter + 1
     with np.errstate(over="ignore"):
-        for finite in flags:
-            if finite:
-                counter += 1
-                if counter >= period:
-                    grown = np.float32(scale * factor)
-                    if np.isfinite(grown):
-                        scale = grown
-                    counter = 0
-            else:
-                scale = max(np.float32(scale / factor), floor)
-                counter = 0
-            trail.append((float(scale), counter))
-    return trail
+        grown = np.float32(scale * factor)
+    return (grown if np.isfinite(grown) else scale), 0
 
 
 @st.composite
@@ -258,9 +251,13 @@ def test_dynamic_rule_matches_reference_model(setup):
     final, (scales, counters) = _run_flags(ls, jnp.asarray(flags))
     scales, counters = np.asarray(scales), np.asarray(counters)
 
-    expected = _reference(flags, scale, counter, period, factor, floor)
-    got = [(float(s), int(c)) for s, c in zip(scales, counters)]
-    assert got == expected
+    # each step against the rule applied to the state before it
+    before = (scale, counter)
+    for i, (flag, got) in enumerate(zip(flags, zip(scales, counters.tolist()))):
+        want = _reference_step(*before, period, factor, floor, flag)
+        assert got[1] == want[1], (i, flags[: i + 1], want, got)
+        np.testing.assert_array_max_ulp(got[0], want[0], maxulp=division_ulps(), dtype=np.float32)
+        before = got
 
     assert scales.dtype == np.float32 and counters.dtype == np.int32
     assert np.all(np.isfinite(scales))
