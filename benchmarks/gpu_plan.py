@@ -83,7 +83,17 @@ MEASURED = {
     ("ResNet-18", "flax bf16", "-"): 1667,
     ("ResNet-18", "amp bf16", "-"): 1720,
 }
-# torch.compile's measured peaks on the same GPTs (same run), the memory targets' yardstick.
+# Device peaks measured on one H100 (docs/benchmarks.md, "On an H100"; JAX 0.11.2, the
+# library at commit 6b6f5fd): MiB, by row.
+MEASURED_H100 = {
+    ("GPT-2 medium", "amp bf16", "fused"): 9855,
+    ("GPT-2 medium", "amp fp8", "fused"): 11469,
+    ("decoder 24x2048 b8", "amp bf16", "fused"): 28532,
+}
+# Each device's measured peaks and the commit they were measured at.
+MEASUREMENTS = {MEASURED_ON: (MEASURED_AT, MEASURED), "H100": ("6b6f5fd", MEASURED_H100)}
+# torch.compile's measured peaks on the same GPTs (the H200's run), the memory targets'
+# yardstick.
 TORCH_COMPILE = {"GPT-2 small": 7178, "GPT-2 medium": 14723}
 
 # The models besides gpu_step.py's, real size and tiny.
@@ -100,6 +110,8 @@ DEFAULT_ROWS = (
         for m in ("GPT-2 small", "GPT-2 medium", "decoder 24x2048")
         for v in ("hand bf16", "amp bf16", "amp fp8", "amp fp8 delay")
     ],
+    # float8's target is set at the decoder's batch 8 (docs/fp8.md)
+    *[("decoder 24x2048 b8", v, "fused") for v in ("amp bf16", "amp fp8")],
     # the training state in fewer bits (docs/training_state.md)
     *[
         (m, v, "fused")
@@ -216,7 +228,8 @@ def program(model: str, variant: str, attention: str, tiny: bool) -> tuple[Calla
 
 def known_rows() -> dict[str, tuple[str, ...]]:
     """Model -> the variants a row may name."""
-    rows = {m: gpu_step.GPT_VARIANTS for m, c in gpu_step.MODELS.items() if c["kind"] == "gpt"}
+    gpt = (*gpu_step.GPT_VARIANTS, gpu_step.MERGED_VARIANT)
+    rows = {m: gpt for m, c in gpu_step.MODELS.items() if c["kind"] == "gpt"}
     rows["ResNet-18"] = gpu_step.RESNET_VARIANTS
     rows.update({m: MLP_VARIANTS for m in MLP})
     rows.update({m: LINEAR_VARIANTS for m in LINEAR})
@@ -323,7 +336,7 @@ def _gemm_summary(p: dict) -> str:
     return "; ".join(f"{n} {k}" for k, n in counts.most_common() if n)
 
 
-def _print_details(label: str, p: dict, measured: float | None) -> None:
+def _print_details(label: str, p: dict, measured: float | None, device: str) -> None:
     print(f"\n== {label}")
     line = (
         f"planned peak {p['peak_mib']:.0f} MiB (arguments {p['arguments_mib']:.0f}, outputs "
@@ -333,7 +346,7 @@ def _print_details(label: str, p: dict, measured: float | None) -> None:
     if p["live_peak_mib"] is not None:
         line += f"; live at the peak {p['live_peak_mib']:.0f}"
     if measured:
-        line += f"; measured {measured:.0f} on an {MEASURED_ON} at {MEASURED_AT}"
+        line += f"; measured {measured:.0f} on an {device} at {MEASUREMENTS[device][0]}"
     print(line + f"; compiled in {p['compile_s']:.1f} s")
     print("  largest buffers live at the peak:")
     for b in p["buffers"]:
@@ -401,28 +414,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 label = f"{model} / {variant} / {attention} / {device} / Triton GEMM {triton}"
                 p = plan(fn, args, device, triton == "on")
                 measured = None
-                if not options.tiny and device == MEASURED_ON and triton == "on":
-                    measured = MEASURED.get((model, variant, attention))
+                if not options.tiny and device in MEASUREMENTS and triton == "on":
+                    measured = MEASUREMENTS[device][1].get((model, variant, attention))
                 p["measured_mib"] = measured
                 results[label] = p
                 if not options.brief:
-                    _print_details(label, p, measured)
+                    _print_details(label, p, measured, device)
                 table.append((model, variant, attention, device, triton, p, measured))
                 Path(options.json).write_text(json.dumps(results, indent=1))
     print(
-        f"\n{'model':16} {'variant':14} {'attn':5} {'device':6} {'Triton':6} {'peak MiB':>9} "
+        f"\n{'model':18} {'variant':16} {'attn':5} {'device':6} {'Triton':6} {'peak MiB':>9} "
         f"{'temp MiB':>9} {'measured':>8} {'plan/meas':>9}  GEMMs and cuDNN calls per step"
     )
     for model, variant, attention, device, triton, p, measured in table:
         ratio = f"{p['peak_mib'] / measured:.3f}" if measured else "-"
         print(
-            f"{model:16} {variant:14} {attention:5} {device:6} {triton:6} {p['peak_mib']:9.0f} "
+            f"{model:18} {variant:16} {attention:5} {device:6} {triton:6} {p['peak_mib']:9.0f} "
             f"{p['temporaries_mib']:9.0f} {measured or '-':>8} {ratio:>9}  {_gemm_summary(p)}"
         )
     if not options.tiny:
         print(
-            f"(measured: device peaks on an {MEASURED_ON} with JAX 0.11.2 at commit "
-            f"{MEASURED_AT}, docs/benchmarks.md; torch.compile's there: "
+            "(measured: device peaks with JAX 0.11.2, "
+            + ", ".join(f"an {d} at commit {c}" for d, (c, _) in MEASUREMENTS.items())
+            + "; docs/benchmarks.md; torch.compile's on the H200: "
             + ", ".join(f"{m} {v} MiB" for m, v in TORCH_COMPILE.items())
             + ")"
         )

@@ -2,7 +2,8 @@
 a careful hand cast, the framework's own bfloat16 and, optionally, torch.autocast.
 
 Models (``gpu_models.py``): GPT-2 small (12x768) and medium (24x1024) at batch 8 of 1024
-tokens, a 24x2048 decoder (about 1.3 B parameters) at batch 4, each with AdamW and with
+tokens, a 24x2048 decoder (about 1.3 B parameters) at batch 4 and at batch 8
+(``decoder 24x2048 b8``), each with AdamW and with
 attention written out ("naive") or fused (cuDNN's kernel through
 ``jax.nn.dot_product_attention``; JAX's XLA path for a float32 program); ResNet-18 with
 BatchNorm on 224x224 images at batch 128, with SGD and momentum.
@@ -12,7 +13,9 @@ Variants: ``float32`` (TF32 matmuls on a GPU, XLA's default), ``hand bf16`` (GPT
 GPTs ``amp bf16 state16`` (amp bf16 with the training state in 16 bits: bfloat16
 parameters and AdamW moments, both stochastically rounded, ``autocast.optax``), ``amp bf16
 moments8`` (float32 parameters, AdamW moments in 8 bits) and ``amp fp8 delay``
-(``autocast.amp_fp8_delayed``, history 16, its histories carried in the step's state); with
+(``autocast.amp_fp8_delayed``, history 16, its histories carried in the step's state); by
+name only (``--rows``), ``amp bf16 merged`` (recomputed chains left for XLA to merge into the
+forward pass, what recomputation costs) and the dequantised float8 forms; with
 ``--torch``, PyTorch's ``autocast`` eager and under ``torch.compile``, naive attention and
 ``scaled_dot_product_attention`` (GPTs, when PyTorch and a CUDA device are there).
 
@@ -20,8 +23,9 @@ Each variant runs in a process of its own, so each device peak is that variant's
 Figures: mean step time over ``--steps`` steps after two warm-up steps, TFLOP/s from model
 FLOPs (GPT: 6 x parameters x tokens + 12 x layers x sequence x width x tokens; ResNet-18:
 three times its forward FLOPs from XLA's cost analysis), the device's peak bytes in use
-(the compiled program's planned peak where the device reports none), and the loss after the
-warm-up and timed steps on generated, learnable batches.
+(the compiled program's planned peak where the device reports none) beside the compiled
+program's own plan and the compile time, and the loss after the warm-up and timed steps on
+generated, learnable batches.
 
 ``--tiny`` runs the same code on models a CPU trains in seconds (the test suite runs it);
 the real sizes are for a GPU. ``make bench`` runs this on a GPU.
@@ -53,12 +57,17 @@ MODELS: dict[str, dict[str, Any]] = {
     "decoder 24x2048": dict(
         kind="gpt", layers=24, d=2048, heads=16, seq=1024, batch=4, vocab=GPT_VOCAB
     ),
+    # the same decoder at twice the batch, where float8's target is set (docs/fp8.md)
+    "decoder 24x2048 b8": dict(
+        kind="gpt", layers=24, d=2048, heads=16, seq=1024, batch=8, vocab=GPT_VOCAB
+    ),
     "ResNet-18": dict(kind="resnet", batch=128, size=224, classes=1000, width=64),
 }
 TINY: dict[str, dict[str, Any]] = {
     "GPT-2 small": dict(kind="gpt", layers=2, d=64, heads=4, seq=32, batch=2, vocab=128),
     "GPT-2 medium": dict(kind="gpt", layers=3, d=64, heads=4, seq=32, batch=2, vocab=128),
     "decoder 24x2048": dict(kind="gpt", layers=2, d=128, heads=4, seq=32, batch=1, vocab=128),
+    "decoder 24x2048 b8": dict(kind="gpt", layers=2, d=128, heads=4, seq=32, batch=2, vocab=128),
     "ResNet-18": dict(kind="resnet", batch=2, size=32, classes=10, width=8),
 }
 GPT_VARIANTS = (
@@ -79,6 +88,10 @@ STATE_VARIANTS = {
 # The float8 variants with their products written in the other form XLA may match to a
 # float8 GEMM (``autocast._src.fp8.products.GEMM_FORMS``): run only when asked for by name.
 FORM_VARIANTS = {"amp fp8 dq": "dequantised", "amp fp8 delay dq": "dequantised"}
+# amp bf16 with its recomputed chains merged back into the forward pass by XLA (no
+# ``prevent_cse`` barrier outside loops, ``recompute.PREVENT_CSE_OUTSIDE_LOOPS``): what real
+# recomputation costs in time against the memory it saves; run only when asked for by name.
+MERGED_VARIANT = "amp bf16 merged"
 RESNET_VARIANTS = ("float32", "flax bf16", "amp bf16", "amp fp8")
 TORCH_VARIANTS = ("torch eager", "torch compile")
 ATTENTIONS = ("naive", "fused")
@@ -134,6 +147,10 @@ def _gpt_step(
     tokens = config["batch"] * config["seq"]
     n = gpu_models.gpt2_params_count(params)
     flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
+    from autocast._src.transform import recompute
+
+    # read when amp traces the step (at its first lowering), so set for every variant
+    recompute.PREVENT_CSE_OUTSIDE_LOOPS = variant != MERGED_VARIANT
     if variant.startswith("amp fp8"):
         from autocast._src.fp8 import products as fp8
 
@@ -250,7 +267,9 @@ def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:
         step, (params, opt_state), flops = _gpt_step(config, variant, attention)
     else:
         step, (params, opt_state), flops = _resnet_step(config, variant)
+    start = time.perf_counter()
     compiled = step.lower(params, opt_state, jnp.asarray(0)).compile()
+    compile_s = time.perf_counter() - start
     planned = measure.planned_peak_bytes(compiled)
     for i in range(2):  # warm-up
         params, opt_state, value = step(params, opt_state, jnp.asarray(i))
@@ -266,8 +285,27 @@ def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:
         "tflops": flops / seconds / 1e12,
         "peak_bytes": device if device else planned,
         "peak_is_device": bool(device),
+        # the device's own plan of the step, autotuned: beside make gpu-plan's (which sums
+        # arguments + outputs + temporaries - aliased, as "plan_sum_bytes" does)
+        "planned_bytes": planned,
+        "plan_sum_bytes": _plan_sum(compiled),
+        "compile_s": compile_s,
         "loss": float(value),
     }
+
+
+def _plan_sum(compiled: Any) -> int | None:
+    """Arguments + outputs + temporaries - aliased bytes of a compiled program's memory plan
+    (``gpu_plan.py``'s planned peak); None where the backend plans none."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
 
 
 def run_torch(config: dict, variant: str, attention: str, steps: int) -> dict:
@@ -405,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--rows",
         default="",
         help="runs in this order, instead of the table: 'MODEL/VARIANT/ATTENTION;...' "
-        f"(variants also {', '.join(FORM_VARIANTS)})",
+        f"(variants also {', '.join((*FORM_VARIANTS, MERGED_VARIANT))})",
     )
     parser.add_argument(
         "--timeout", type=float, default=None, help="seconds one run may take (default: no limit)"
@@ -432,8 +470,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         )
     results: dict[str, dict] = {}
     print(
-        f"{'model':16} {'variant':16} {'attention':9} {'step ms':>8} {'TFLOP/s':>8} "
-        f"{'peak MiB':>9} {'loss':>7}",
+        f"{'model':18} {'variant':16} {'attention':9} {'step ms':>8} {'TFLOP/s':>8} "
+        f"{'peak MiB':>9} {'plan MiB':>9} {'compile s':>9} {'loss':>7}",
         flush=True,
     )
     for model, variant, attention in chosen:
@@ -442,16 +480,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
         # written after every run, so that a run cut short keeps what it measured
         Path(options.json).write_text(json.dumps(results, indent=1))
         if "error" in r:
-            print(f"{model:16} {variant:16} {attention:9} failed: {r['error']}", flush=True)
+            print(f"{model:18} {variant:16} {attention:9} failed: {r['error']}", flush=True)
             continue
         peak = (
             "-"
             if r["peak_bytes"] is None
             else f"{r['peak_bytes'] / 2**20:.1f}" + ("" if r["peak_is_device"] else "*")
         )
+        plan = r.get("plan_sum_bytes")
+        plan = "-" if plan is None else f"{plan / 2**20:.1f}"
+        compile_s = r.get("compile_s")
+        compile_s = "-" if compile_s is None else f"{compile_s:.1f}"
         print(
-            f"{model:16} {variant:16} {attention:9} {r['step_ms']:8.1f} {r['tflops']:8.2f} "
-            f"{peak:>9} {r['loss']:7.3f}",
+            f"{model:18} {variant:16} {attention:9} {r['step_ms']:8.1f} {r['tflops']:8.2f} "
+            f"{peak:>9} {plan:>9} {compile_s:>9} {r['loss']:7.3f}",
             flush=True,
         )
     print("(* the compiled program's planned peak: this device reports no peak of its own)")
@@ -462,7 +504,7 @@ def _row(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
     """``MODEL/VARIANT/ATTENTION`` of ``--rows``, checked against the known names."""
     parts = [p.strip() for p in text.split("/")]
     kinds = {
-        **{v: "gpt" for v in (*GPT_VARIANTS, *FORM_VARIANTS, *TORCH_VARIANTS)},
+        **{v: "gpt" for v in (*GPT_VARIANTS, *FORM_VARIANTS, MERGED_VARIANT, *TORCH_VARIANTS)},
         **{v: "resnet" for v in RESNET_VARIANTS},
     }
     if (

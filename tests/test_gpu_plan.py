@@ -64,10 +64,13 @@ def test_the_peak_names_each_buffer_and_what_a_loop_stacks(program):
 def test_measured_figures_are_those_of_the_docs_gpu_table():
     # read off the source: importing the script would set JAX_PLATFORMS for this process
     source = (ROOT / "benchmarks" / "gpu_plan.py").read_text()
-    table = source.split("MEASURED = {")[1].split("}")[0]
-    figures = [int(m) for m in re.findall(r"\): (\d+),", table)]
-    gpu = (ROOT / "docs" / "benchmarks.md").read_text().split("## On a GPU")[1].split("###")[0]
-    assert len(figures) == 15 and all(f"| {value} |" in gpu for value in figures)
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    tables = (("MEASURED", "## On a GPU", 15), ("MEASURED_H100", "### An H100", 3))
+    for name, section, rows in tables:
+        table = source.split(f"{name} = {{")[1].split("}")[0]
+        figures = [int(m) for m in re.findall(r"\): (\d+),", table)]
+        gpu = docs.split(section)[1].split("\n#")[0]
+        assert len(figures) == rows and all(f"| {value} |" in gpu for value in figures), name
 
 
 @pytest.mark.slow
