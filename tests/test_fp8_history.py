@@ -457,9 +457,13 @@ def test_with_has_aux_a_product_only_the_aux_uses_keeps_current_scaling():
             history, params, x * scale
         )
         history = history.advance(g_history)
-    # the aux's product in current scaling: what amp(compute_dtype="fp8") gives it
+    # the aux's product in current scaling: what amp(compute_dtype="fp8") gives it (a
+    # history still at scale 1 would saturate x * 30). On a GPU, XLA may quantise the float32
+    # operands where a CPU quantises their bfloat16 rounding (excess precision), and the two
+    # programs need not make the same choice: they came 1.08% apart on an H100.
     want = autocast.amp(f, compute_dtype="fp8")(params, x * 30.0)[1]
-    assert abs(float(aux) - float(want)) < 0.01 * abs(float(want))
+    bound = 0.01 if jax.default_backend() == "cpu" else 0.03
+    assert abs(float(aux) - float(want)) < bound * abs(float(want))
 
 
 def test_all_zero_tensors_leave_the_history_alone():
