@@ -17,6 +17,8 @@ Rows (``--rows MODEL/VARIANT/ATTENTION;...``, default :data:`DEFAULT_ROWS`):
 - ``gpu_step.py``'s training steps (GPT-2 small and medium, the 24x2048 decoder, ResNet-18),
   built exactly as it builds them, with cuDNN's attention for "fused";
 - ``MLP``: 512 -> 3 x 2048 (tanh GELU) -> 10 at batch 8192, unrolled, ``jit(grad(f))``;
+  ``MLP timed``: ``recompute_cost.py``'s 256 -> 3 x 1024 -> 10 at the batch a GPU times it
+  with (8192); ``amp bf16 merged`` leaves the recomputed chains for XLA to merge;
 - ``linear``: one layer 8192 x 1024 -> 4096, forward and backward (``fp8_gemm.py``'s).
 
 Per row and device it prints the planned peak (arguments + outputs + temporaries - aliased,
@@ -83,8 +85,8 @@ MEASURED = {
     ("ResNet-18", "flax bf16", "-"): 1667,
     ("ResNet-18", "amp bf16", "-"): 1720,
 }
-# Device peaks measured on one H100 (docs/benchmarks.md, "On an H100"; JAX 0.11.2, the
-# library at commit 6b6f5fd): MiB, by row.
+# Device peaks measured on one H100 (docs/benchmarks.md, "An H100, after recomputed chains";
+# JAX 0.11.2, the library at commit 6b6f5fd): MiB, by row.
 MEASURED_H100 = {
     ("GPT-2 medium", "amp bf16", "fused"): 9855,
     ("GPT-2 medium", "amp fp8", "fused"): 11469,
@@ -97,11 +99,17 @@ MEASUREMENTS = {MEASURED_ON: (MEASURED_AT, MEASURED), "H100": ("6b6f5fd", MEASUR
 TORCH_COMPILE = {"GPT-2 small": 7178, "GPT-2 medium": 14723}
 
 # The models besides gpu_step.py's, real size and tiny.
-MLP = {"MLP": dict(widths=(512, 2048, 2048, 2048, 10), batch=8192)}
-MLP_TINY = {"MLP": dict(widths=(32, 64, 64, 64, 10), batch=64)}
+MLP = {
+    "MLP": dict(widths=(512, 2048, 2048, 2048, 10), batch=8192),
+    "MLP timed": dict(widths=(256, 1024, 1024, 1024, 10), batch=8192),
+}
+MLP_TINY = {
+    "MLP": dict(widths=(32, 64, 64, 64, 10), batch=64),
+    "MLP timed": dict(widths=(16, 32, 32, 32, 10), batch=64),
+}
 LINEAR = {"linear": dict(tokens=8192, n_in=1024, n_out=4096)}
 LINEAR_TINY = {"linear": dict(tokens=64, n_in=32, n_out=48)}
-MLP_VARIANTS = ("float32", "amp bf16")
+MLP_VARIANTS = ("float32", "amp bf16", gpu_step.MERGED_VARIANT)
 LINEAR_VARIANTS = ("bf16", "fp8", "fp8 dq", "fp8 delay")
 
 DEFAULT_ROWS = (
@@ -121,7 +129,8 @@ DEFAULT_ROWS = (
     ("GPT-2 small", "hand bf16", "naive"),
     ("GPT-2 small", "amp bf16", "naive"),
     *[("ResNet-18", v, "-") for v in ("flax bf16", "amp bf16", "amp fp8")],
-    *[("MLP", v, "-") for v in MLP_VARIANTS],
+    *[("MLP", v, "-") for v in MLP_VARIANTS[:2]],
+    *[("MLP timed", v, "-") for v in MLP_VARIANTS],
     *[("linear", v, "-") for v in LINEAR_VARIANTS],
 )
 
@@ -171,9 +180,14 @@ def _mlp(config: dict, variant: str) -> tuple[Callable, tuple]:
     from recompute_cost import mlp_loss
 
     import autocast
+    from autocast._src.transform import recompute
 
     widths, batch = config["widths"], config["batch"]
-    fn = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16) if variant == "amp bf16" else mlp_loss
+    # read when amp traces (at the lowering), so set for every row
+    recompute.PREVENT_CSE_OUTSIDE_LOOPS = variant != gpu_step.MERGED_VARIANT
+    fn = mlp_loss
+    if variant.startswith("amp"):  # a function of its own: amp shares traces per function
+        fn = autocast.amp(lambda *a: mlp_loss(*a), compute_dtype=jnp.bfloat16)
     params = [
         (jax.ShapeDtypeStruct((a, b), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.float32))
         for a, b in zip(widths[:-1], widths[1:])

@@ -122,9 +122,10 @@ def load_script(path: Path) -> Any:
 
 def division_ulps() -> int:
     """Units in the last place a float32 division may be off on this backend: none on a CPU,
-    whose XLA rounds it correctly; one elsewhere (on an H200 the loss scaler's
-    ``scale / factor`` came out one unit off)."""
-    return 0 if jax.default_backend() == "cpu" else 1
+    whose XLA rounds it correctly; two elsewhere (XLA compiles it for an NVIDIA GPU to PTX's
+    ``div.full.f32``, documented within 2 ulp, as make gpu-plan's venv shows; on an H200
+    the loss scaler's ``scale / factor`` came out one unit off)."""
+    return 0 if jax.default_backend() == "cpu" else 2
 
 
 def require(module: str) -> Any:

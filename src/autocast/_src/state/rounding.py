@@ -128,6 +128,8 @@ def round_onto(x: jax.Array, dtype: Any, *, bits: jax.Array | None = None) -> ja
     # its neighbours; below the first normal value, 0 and that value
     e_n = spacing_exponent(n)
     power_of_two = (_bits(n) & 0x7FFFFF) == 0
+    # above the largest value (bfloat16's max gives inf, float8's 448 gives 480) only where a
+    # is that largest value: its chance of going up is then 0
     up = n + _pow2(e_n)
     down = n - _pow2(spacing_exponent(n, power_of_two.astype(jnp.int32)))
     below = n <= a
