@@ -136,6 +136,19 @@ def test_blocks_run_along_the_last_axis_and_pad_the_last():
     assert stored.nbytes == 2 * 3 * 256 + 2 * 3 * 4
 
 
+@pytest.mark.parametrize("dtype", [BF16, E4M3])
+def test_an_empty_parameter_is_stored_and_updated_beside_the_others(dtype):
+    # an empty leading axis: the 8-bit codes' decode once inferred a length from it and
+    # divided by zero
+    params = {"empty": jnp.zeros((0, 8)), "b": jnp.ones((3,))}
+    opt = ao.low_precision_state(optax.adam(0.1), dtype)
+    state = opt.init(params)
+    updates, state = jax.jit(opt.update)(params, state, params)
+    assert updates["empty"].shape == (0, 8) and updates["empty"].dtype == F32
+    np.testing.assert_allclose(updates["b"], -0.1 * np.ones(3), rtol=1e-3)
+    assert blocks.decode(blocks.encode(jnp.zeros((0, 8)), 256, False, None)).shape == (0, 8)
+
+
 def test_square_roots_keep_small_second_moments_that_plain_codes_flush():
     # one row of squared gradients spanning 2**28: e4m3's normal values span 2**15 per block
     nu = jnp.asarray([[2.0**-28, 2.0**-20, 1.0] + [2.0**-10] * 61], jnp.float32)

@@ -118,7 +118,8 @@ def encode(x: jax.Array, block_size: int, root: bool, bits: jax.Array | None) ->
 def decode(stored: BlockScaled) -> jax.Array:
     """The float32 array ``stored`` stands for."""
     x = stored.codes.astype(jnp.float32) * stored.scales[..., None]
-    x = x.reshape(*x.shape[:-2], -1)[..., : stored.size]
+    # the joined length written out: -1 cannot be inferred where a leading axis is empty
+    x = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])[..., : stored.size]
     return x * x if stored.root else x
 
 
