@@ -61,6 +61,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import xla_program  # noqa: E402
 
+from autocast._src.tools import measure  # noqa: E402
+
 MiB = 2**20
 DEVICES = {"H100": "h100_sxm.txtpb", "H200": "h200_sxm.txtpb"}
 
@@ -180,11 +182,9 @@ def _mlp(config: dict, variant: str) -> tuple[Callable, tuple]:
     from recompute_cost import mlp_loss
 
     import autocast
-    from autocast._src.transform import recompute
 
     widths, batch = config["widths"], config["batch"]
-    # read when amp traces (at the lowering), so set for every row
-    recompute.PREVENT_CSE_OUTSIDE_LOOPS = variant != gpu_step.MERGED_VARIANT
+    gpu_step.recompute_for(variant)
     fn = mlp_loss
     if variant.startswith("amp"):  # a function of its own: amp shares traces per function
         fn = autocast.amp(lambda *a: mlp_loss(*a), compute_dtype=jnp.bfloat16)
@@ -270,12 +270,7 @@ def plan(
         read = xla_program.read(dump)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    peak = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes
-        - memory.alias_size_in_bytes
-    )
+    peak = measure.planned_sum_bytes(compiled)
     launched = read.kernels()
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for k in launched:

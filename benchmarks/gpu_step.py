@@ -92,6 +92,17 @@ FORM_VARIANTS = {"amp fp8 dq": "dequantised", "amp fp8 delay dq": "dequantised"}
 # ``prevent_cse`` barrier outside loops, ``recompute.PREVENT_CSE_OUTSIDE_LOOPS``): what real
 # recomputation costs in time against the memory it saves; run only when asked for by name.
 MERGED_VARIANT = "amp bf16 merged"
+
+
+def recompute_for(variant: str) -> None:
+    """Sets amp's recomputed chains apart from the forward pass (``prevent_cse``) but for
+    :data:`MERGED_VARIANT`. amp reads the switch when it traces, at a step's first lowering,
+    so every variant sets it before that."""
+    from autocast._src.transform import recompute
+
+    recompute.PREVENT_CSE_OUTSIDE_LOOPS = variant != MERGED_VARIANT
+
+
 RESNET_VARIANTS = ("float32", "flax bf16", "amp bf16", "amp fp8")
 TORCH_VARIANTS = ("torch eager", "torch compile")
 ATTENTIONS = ("naive", "fused")
@@ -147,10 +158,7 @@ def _gpt_step(
     tokens = config["batch"] * config["seq"]
     n = gpu_models.gpt2_params_count(params)
     flops = 6 * n * tokens + 12 * config["layers"] * config["seq"] * config["d"] * tokens
-    from autocast._src.transform import recompute
-
-    # read when amp traces the step (at its first lowering), so set for every variant
-    recompute.PREVENT_CSE_OUTSIDE_LOOPS = variant != MERGED_VARIANT
+    recompute_for(variant)
     if variant.startswith("amp fp8"):
         from autocast._src.fp8 import products as fp8
 
@@ -288,24 +296,10 @@ def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:
         # the device's own plan of the step, autotuned: beside make gpu-plan's (which sums
         # arguments + outputs + temporaries - aliased, as "plan_sum_bytes" does)
         "planned_bytes": planned,
-        "plan_sum_bytes": _plan_sum(compiled),
+        "plan_sum_bytes": measure.planned_sum_bytes(compiled),
         "compile_s": compile_s,
         "loss": float(value),
     }
-
-
-def _plan_sum(compiled: Any) -> int | None:
-    """Arguments + outputs + temporaries - aliased bytes of a compiled program's memory plan
-    (``gpu_plan.py``'s planned peak); None where the backend plans none."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
 
 
 def run_torch(config: dict, variant: str, attention: str, steps: int) -> dict:

@@ -205,17 +205,22 @@ def needs_gpu_plan_venv(test: Callable) -> Callable:
     return pytest.mark.once(skip(test))
 
 
-def gpu_plans(tmp_path: Path, *args: str) -> tuple[dict, str]:
-    """``benchmarks/gpu_plan.py *args`` run in make gpu-plan's venv: (its plans by row, what
-    it printed)."""
-    out = tmp_path / "plan.json"
+def in_gpu_plan_venv(*args: str) -> str:
+    """``python *args`` in make gpu-plan's venv, with this tree's autocast: what it printed."""
     done = subprocess.run(
-        [str(GPU_PLAN_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "gpu_plan.py")]
-        + [*args, "--json", str(out)],
+        [str(GPU_PLAN_VENV / "bin" / "python"), *args],
         capture_output=True,
         text=True,
         env={**users_environ(), "PYTHONPATH": str(ROOT / "src")},
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(out.read_text()), done.stdout
+    return done.stdout
+
+
+def gpu_plans(tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """``benchmarks/gpu_plan.py *args`` run in make gpu-plan's venv: (its plans by row, what
+    it printed)."""
+    out = tmp_path / "plan.json"
+    printed = in_gpu_plan_venv(str(ROOT / "benchmarks" / "gpu_plan.py"), *args, "--json", str(out))
+    return json.loads(out.read_text()), printed

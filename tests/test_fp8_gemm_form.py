@@ -244,10 +244,6 @@ def test_e5m2_everywhere_is_refused_where_no_float8_gemm_takes_it(monkeypatch):
         assert np.isfinite(float(autocast.amp(_layer, compute_dtype=fine)(x, w)))
 
 
-def _plugin_python() -> Path:
-    return ROOT / ".venv-gpu-plan" / "bin" / "python"
-
-
 @pytest.mark.slow
 @needs_gpu_plan_venv
 def test_the_gpu_plan_fuses_the_scales_into_float8_gemms_that_write_bfloat16(tmp_path):

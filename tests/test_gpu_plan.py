@@ -7,11 +7,10 @@ CUDA plugin is 5.5 GB, so the suite does not install it)."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import GPU_PLAN_VENV, gpu_plans, load_script, needs_gpu_plan_venv, users_environ
+from conftest import gpu_plans, in_gpu_plan_venv, load_script, needs_gpu_plan_venv
 
 ROOT = Path(__file__).parents[1]
 xla_program = load_script(ROOT / "benchmarks" / "xla_program.py")
@@ -111,14 +110,7 @@ print(program(lambda a: rounding.round_onto(a, jnp.bfloat16)).count("round-neare
 def test_a_gpu_program_keeps_the_training_states_rounding():
     # XLA for a GPU removes a conversion to bfloat16 and back (excess precision), which is why
     # the rounding is written in float32 and integer arithmetic alone
-    done = subprocess.run(
-        [str(GPU_PLAN_VENV / "bin" / "python"), "-c", ROUNDING_FOR_A_GPU, str(ROOT / "benchmarks")],
-        capture_output=True,
-        text=True,
-        env={**users_environ(), "PYTHONPATH": str(ROOT / "src")},
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    round_trip_converts, roundings = map(int, done.stdout.split())
+    printed = in_gpu_plan_venv("-c", ROUNDING_FOR_A_GPU, str(ROOT / "benchmarks"))
+    round_trip_converts, roundings = map(int, printed.split())
     assert round_trip_converts == 0
     assert roundings == 1

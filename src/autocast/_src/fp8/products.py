@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
+from autocast._src.float32_bits import MANTISSA_BITS, exponent, two_to
 from autocast._src.policy.casting import castable
 from autocast._src.policy.dtypes import canonicalize_float_dtype
 from autocast._src.policy.precision import (
@@ -114,11 +115,9 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
 _TINY = float(jnp.finfo(_F32).tiny)
 
 
-# float32's bit fields: an exponent of 8 bits above 23 of mantissa, biased by 127.
-_MANTISSA_BITS = 23
-_MANTISSA = (1 << _MANTISSA_BITS) - 1
-_EXPONENT_FIELD = 0xFF << _MANTISSA_BITS
-_BIAS = 127
+# float32's bit fields: an exponent of 8 bits above 23 of mantissa.
+_MANTISSA = (1 << MANTISSA_BITS) - 1
+_EXPONENT_FIELD = 0xFF << MANTISSA_BITS
 
 
 def power_of_two_at_or_above(v: Any) -> Any:
@@ -129,17 +128,6 @@ def power_of_two_at_or_above(v: Any) -> Any:
     bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
     up = jax.lax.bitcast_convert_type((bits + _MANTISSA) & _EXPONENT_FIELD, _F32)
     return jnp.where(jnp.isnan(v), v, up)
-
-
-def _exponent(s: Any) -> Any:
-    """``log2`` of a positive power of two ``s``, exactly (128 for an infinity or NaN)."""
-    bits = jax.lax.bitcast_convert_type(s, jnp.uint32) >> _MANTISSA_BITS
-    return bits.astype(jnp.int32) - _BIAS
-
-
-def _two_to(e: Any) -> Any:
-    """``2**e`` for integers ``e`` in float32's normal range, -126 to 127."""
-    return jax.lax.bitcast_convert_type((e + _BIAS).astype(jnp.uint32) << _MANTISSA_BITS, _F32)
 
 
 def _scale(x: Any, top: float) -> Any:
@@ -269,17 +257,17 @@ def _balanced(sa: Any, sb: Any) -> tuple[Any, Any]:
     operands' amaxes near 1e-17, or one far smaller): each operand then gives up half the
     missing binades at the bottom of its range, instead of the product coming out zero.
     Otherwise they are returned as they are."""
-    missing = jnp.maximum(_LOWEST_EXPONENT - _exponent(sa) - _exponent(sb), 0)
+    missing = jnp.maximum(_LOWEST_EXPONENT - exponent(sa) - exponent(sb), 0)
     half = missing // 2
-    return sa * _two_to(missing - half), sb * _two_to(half)
+    return sa * two_to(missing - half), sb * two_to(half)
 
 
 def _raised(sg: Any, sa: Any, sb: Any) -> Any:
     """The output gradient's scale ``sg``, raised where its product with an operand's scale
     would fall below float32's normal numbers (see :func:`_balanced`; the operands are
     already quantised, so only the gradient can give)."""
-    lowest = _LOWEST_EXPONENT - jnp.minimum(_exponent(sa), _exponent(sb))
-    return jnp.maximum(sg, _two_to(jnp.maximum(lowest, _LOWEST_EXPONENT)))
+    lowest = _LOWEST_EXPONENT - jnp.minimum(exponent(sa), exponent(sb))
+    return jnp.maximum(sg, two_to(jnp.maximum(lowest, _LOWEST_EXPONENT)))
 
 
 def _gemm_dtype(out_dtype: Any) -> np.dtype:

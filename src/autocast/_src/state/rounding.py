@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from autocast._src.float32_bits import exponent, two_to
+
 # The narrow dtypes a grid may be: parameters (bfloat16, float16) and stored state (float8).
 NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
 PARAMETER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -62,21 +64,19 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
 
 
-def _pow2(exponent: jax.Array) -> jax.Array:
-    """2**exponent in float32 for integer exponents in [-126, 127], built from its bits."""
-    e = jnp.clip(exponent, -126, 127).astype(jnp.uint32) + jnp.uint32(127)
-    return lax.bitcast_convert_type(e << 23, jnp.float32)
+def _pow2(e: jax.Array) -> jax.Array:
+    """2**e in float32 for integers ``e``, clipped to float32's normal range [-126, 127]."""
+    return two_to(jnp.clip(e, -126, 127))
+
+
+def _subnormal_exponent(dtype: Any) -> int:
+    """log2 of ``dtype``'s smallest subnormal: the spacing of its grid below its normals."""
+    return int(np.log2(float(jnp.finfo(dtype).smallest_subnormal)))
 
 
 def _finest_spacing_exponent(dtype: Any) -> int:
     """log2 of the narrowest spacing of ``dtype``'s grid, float32's subnormals left out."""
-    smallest = float(jnp.finfo(dtype).smallest_subnormal)
-    return max(int(np.log2(smallest)), _F32_TINY_EXPONENT)
-
-
-def _exponent(v: jax.Array) -> jax.Array:
-    """floor(log2(v)) of positive normal float32 values, read off their bits (-127 for 0)."""
-    return ((_bits(v) >> 23) & 0xFF).astype(jnp.int32) - 127
+    return max(_subnormal_exponent(dtype), _F32_TINY_EXPONENT)
 
 
 def uniform24(bits: jax.Array) -> jax.Array:
@@ -110,17 +110,17 @@ def round_onto(x: jax.Array, dtype: Any, *, bits: jax.Array | None = None) -> ja
     # bfloat16 reaches float32's subnormal range, whose arithmetic a CPU flushes to zero: tiny
     # magnitudes are scaled up by 2**64 (exactly; bfloat16's grid is the same up there) so
     # that no spacing or difference below is subnormal, and scaled back at the end.
-    scale = jnp.zeros(a.shape, jnp.int32)
-    if info.minexp == jnp.finfo(jnp.float32).minexp:
-        scale = jnp.where(a < float(2.0**-60), 64, 0)
+    scaled = info.minexp == jnp.finfo(jnp.float32).minexp
+    scale = jnp.where(a < float(2.0**-60), 64, 0) if scaled else 0
+    if scaled:
         a = a * _pow2(scale)
     first = _pow2(floor + scale)  # the first grid point above 0
     # The spacing of the grid around v is 2**(exponent of v - mantissa bits), and below the
     # dtype's normal range that of its subnormals.
-    subnormal = int(np.log2(float(info.smallest_subnormal))) + scale
+    subnormal = _subnormal_exponent(dtype) + scale
 
-    def spacing_exponent(v: jax.Array, binade_below: jax.Array | bool = False) -> jax.Array:
-        return jnp.maximum(_exponent(v) - info.nmant - binade_below, subnormal)
+    def spacing_exponent(v: jax.Array, binade_below: jax.Array | int = 0) -> jax.Array:
+        return jnp.maximum(exponent(v) - info.nmant - binade_below, subnormal)
 
     # the nearest grid value: a scaled to units of its spacing, rounded half to even
     e = spacing_exponent(a)
@@ -140,9 +140,10 @@ def round_onto(x: jax.Array, dtype: Any, *, bits: jax.Array | None = None) -> ja
         magnitude = jnp.where(tiny, jnp.where(a > first / 2, first, 0.0), n)
     else:
         # hi - lo is a power of two: its reciprocal is exact, a division might not be
-        chance = (a - lo) * _pow2(-_exponent(hi - lo))
+        chance = (a - lo) * _pow2(-exponent(hi - lo))
         magnitude = jnp.where(uniform24(bits) < chance, hi, lo)
-    magnitude = magnitude * _pow2(-scale)
+    if scaled:
+        magnitude = magnitude * _pow2(-scale)
     signed = lax.bitcast_convert_type(_bits(magnitude) | (_bits(x) & _SIGN), jnp.float32)
     return jnp.where(finite, signed, x)
 

@@ -245,14 +245,19 @@ def relative_error(got: Any, want: Any) -> float:
 
 def planned_peak_bytes(compiled: Any) -> int | None:
     """The compiled program's peak memory as XLA plans it: its own figure where the JAX
-    version reports one, else arguments + outputs + temporaries - aliased buffers; None where
+    version reports one, else :func:`planned_sum_bytes`; None where the backend plans none."""
+    stats = compiled.memory_analysis()
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    return int(peak) if peak else planned_sum_bytes(compiled)
+
+
+def planned_sum_bytes(compiled: Any) -> int | None:
+    """Arguments + outputs + temporaries - aliased buffers of the compiled program's memory
+    plan (what ``make gpu-plan`` calls the planned peak, on every JAX version); None where
     the backend plans none."""
     stats = compiled.memory_analysis()
     if stats is None:
         return None
-    peak = getattr(stats, "peak_memory_in_bytes", 0)
-    if peak:
-        return int(peak)
     return int(
         stats.argument_size_in_bytes
         + stats.output_size_in_bytes
