@@ -24,6 +24,13 @@ BENCH_ARGS ?=
 # Its venv holds the JAX of .venv and the CUDA plugin of the same version (about 5.5 GB).
 GPU_PLAN_VENV := .venv-gpu-plan
 PLAN_ARGS ?=
+# pip byte-compiles what it installs on one core: two thirds of a venv's 70 s on a 2-core
+# machine. Installed with --no-compile, then compiled on every core (the bytecode still
+# matters: where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, no import
+# writes it, and every process would compile JAX's sources again). A file that does not
+# compile is left as pip leaves it: without bytecode, and the build goes on.
+PIP_INSTALL := -m pip install --quiet --no-compile
+BYTECODE := -m compileall -q -j 0
 
 # What the scripts test-newest runs read, wherever they were given (command line or environment).
 export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
@@ -33,13 +40,15 @@ export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test,demo]'
+	$(VENV)/bin/python $(PIP_INSTALL) -e '.[test,demo]'
+	$(VENV)/bin/python $(BYTECODE) $(VENV)/lib || true
 	touch $@
 
 $(OLDEST_VENV)/.installed: pyproject.toml $(OLDEST_CONSTRAINTS)
 	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(OLDEST_VENV)/bin/python -m pip install --quiet -c $(OLDEST_CONSTRAINTS) -e '.[test]'
+	$(OLDEST_VENV)/bin/python $(PIP_INSTALL) -c $(OLDEST_CONSTRAINTS) -e '.[test]'
+	$(OLDEST_VENV)/bin/python $(BYTECODE) $(OLDEST_VENV)/lib || true
 	touch $@
 
 # Built by newest-suite with the interpreter .ci/newest_python.sh chose (it empties the venv
@@ -48,15 +57,17 @@ $(NEWEST_VENV)/.installed: pyproject.toml
 	@test -n "$(NEWEST_PYTHON)" || { echo "run make test-newest: it finds a Python >= 3.12"; exit 2; }
 	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(NEWEST_VENV)/bin/python -m pip install --quiet jax==$(NEWEST_JAX) jaxlib==$(NEWEST_JAX) -e '.[test,demo]'
+	$(NEWEST_VENV)/bin/python $(PIP_INSTALL) jax==$(NEWEST_JAX) jaxlib==$(NEWEST_JAX) -e '.[test,demo]'
+	$(NEWEST_VENV)/bin/python $(BYTECODE) $(NEWEST_VENV)/lib || true
 	touch $@
 
 $(GPU_PLAN_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(GPU_PLAN_VENV)
 	$(GPU_PLAN_VENV)/bin/python -m pip install --quiet --upgrade pip
 	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
-	$(GPU_PLAN_VENV)/bin/python -m pip install --quiet "jax==$$v" "jaxlib==$$v" \
+	$(GPU_PLAN_VENV)/bin/python $(PIP_INSTALL) "jax==$$v" "jaxlib==$$v" \
 		"jax-cuda12-plugin[with-cuda]==$$v" flax -e '.[demo]'
+	$(GPU_PLAN_VENV)/bin/python $(BYTECODE) $(GPU_PLAN_VENV)/lib || true
 	touch $@
 
 demo: $(VENV)/.installed
@@ -90,8 +101,9 @@ test-fast: $(VENV)/.installed
 	fi
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
-# The oldest and the newest JAX run every test but those marked once: long training runs and
-# benchmark scripts whose verdict does not hinge on the JAX version, which make test runs.
+# The oldest and the newest JAX run every test but those marked once: long training runs,
+# benchmark scripts and the wheel's install, whose verdict does not hinge on the JAX version,
+# which make test runs.
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not once" $(PYTEST_ARGS)
