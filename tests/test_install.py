@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # builds a wheel and a virtual environment
+# slow: builds a wheel and a virtual environment; once: what the wheel holds and how it
+# installs is the same whatever JAX the suite runs on (make test-oldest and make test-newest
+# leave out the 25 s it costs)
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 ROOT = Path(__file__).parents[1]
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,21 +14,22 @@ from autocast._src.demo import models as _models
 from autocast._src.tools import measure as _measure
 
 
-def _cases():
+# Built when a test first asks (collection imports this module in every xdist worker, and
+# initialising the models there ran eagerly, op by op: 3 s of each worker's start).
+@functools.cache
+def _case(name):
     key = jax.random.PRNGKey(0)
-    mlp = _models.init_mlp(key, (32, 64, 64, 10))
-    x = jax.random.normal(key, (16, 32))
-    yield "mlp", _models.mlp_loss, (mlp, x, jnp.arange(16) % 10)
+    if name == "mlp":
+        mlp = _models.init_mlp(key, (32, 64, 64, 10))
+        x = jax.random.normal(key, (16, 32))
+        return _models.mlp_loss, (mlp, x, jnp.arange(16) % 10)
     gpt = _models.init_gpt(key, vocab=64, d=32, layers=2, seq=16)
-    yield "gpt", _models.gpt_loss, (gpt, _models.gpt_batch(key))
+    return _models.gpt_loss, (gpt, _models.gpt_batch(key))
 
 
-CASES = {name: (fn, args) for name, fn, args in _cases()}
-
-
-@pytest.fixture(params=sorted(CASES))
+@pytest.fixture(params=["gpt", "mlp"])
 def case(request):
-    fn, args = CASES[request.param]
+    fn, args = _case(request.param)
     return fn, args, autocast.amp(fn, compute_dtype=jnp.bfloat16)
 
 

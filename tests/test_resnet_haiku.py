@@ -2,11 +2,12 @@
 
 The model is the one Haiku ships; the data are generated: images of 32x32x3 whose labels are a
 fixed random linear function of each image's mean colour, so the loss can fall. Both runs take
-Adam steps under ``jax.jit``: ten on 4 images, which every suite reads, and 30 on 8 for the
-comparison of the losses, which make test runs; the amp run differentiates ``amp(loss)`` with
-bfloat16 compute. BatchNorm computes its variance in one pass, ``mean(square(x)) -
-square(mean(x))``: with 16-bit squares that cancelled below zero, and with 4 images and Adam at
-1e-3 the loss was NaN from the third step on (JAX 0.10); squares now run in float32.
+Adam steps under ``jax.jit``: ten on 4 images and 30 on 8, which make test runs (the oldest
+and newest JAX run the first gradients and the program's dtypes, which decide the runs); the
+amp run differentiates ``amp(loss)`` with bfloat16 compute. BatchNorm computes its variance in
+one pass, ``mean(square(x)) - square(mean(x))``: with 16-bit squares that cancelled below zero,
+and with 4 images and Adam at 1e-3 the loss was NaN from the third step on (JAX 0.10); squares
+now run in float32.
 """
 
 from __future__ import annotations
@@ -99,8 +100,7 @@ def _train(loss_fn, params, state, images, labels, steps=STEPS, learning_rate=LE
 
 @pytest.fixture(scope="module")
 def runs():
-    """Ten steps of each on four images, which the tests of every suite read; the 30-step
-    comparison trains on its own (once, make test)."""
+    """Ten steps of each on four images; the 30-step comparison trains on its own."""
     data = _data(batch=4)
     return {
         "float32": _train(_loss, *data, steps=10, learning_rate=1e-3),
@@ -145,6 +145,7 @@ def test_first_gradients_match_float32():
     assert error < 0.05, error
 
 
+@pytest.mark.once
 def test_batchnorm_statistics_move_and_stay_float32(runs):
     states = runs["amp"][1]
     first, after_one, last = states[0], states[1], states[-1]
@@ -167,8 +168,8 @@ def test_batchnorm_statistics_move_and_stay_float32(runs):
     assert len(variances) == 20 and all(bool(jnp.all(v >= 0)) for v in variances)
 
 
-def test_convolutions_ran_in_bfloat16_and_squares_in_float32(runs):
-    params, state, images, labels = runs["data"]
+def test_convolutions_ran_in_bfloat16_and_squares_in_float32():
+    params, state, images, labels = _data(batch=4)
     jaxpr = jax.make_jaxpr(_amp_loss)(params, state, images, labels)
     convs = operand_dtypes(jaxpr, "conv_general_dilated")
     assert len(convs) == 20 and set(convs) == {("bfloat16", "bfloat16")}
@@ -181,6 +182,7 @@ def test_convolutions_ran_in_bfloat16_and_squares_in_float32(runs):
     assert _measure.low_precision_flop_share(both) == 1.0
 
 
+@pytest.mark.once
 def test_four_images_train_ten_steps_finite_and_tracking_float32(runs):
     # The case that went NaN from the third step with 16-bit squares in BatchNorm's variance.
     f32, amp = runs["float32"][0], runs["amp"][0]
