@@ -270,7 +270,7 @@ def plan(
         read = xla_program.read(dump)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    peak = measure.planned_sum_bytes(compiled)
+    peak = measure.planned_sum_bytes(memory)
     launched = read.kernels()
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for k in launched:

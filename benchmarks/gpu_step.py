@@ -296,7 +296,7 @@ def run_jax(config: dict, variant: str, attention: str, steps: int) -> dict:
         # the device's own plan of the step, autotuned: beside make gpu-plan's (which sums
         # arguments + outputs + temporaries - aliased, as "plan_sum_bytes" does)
         "planned_bytes": planned,
-        "plan_sum_bytes": measure.planned_sum_bytes(compiled),
+        "plan_sum_bytes": measure.planned_sum_bytes(compiled.memory_analysis()),
         "compile_s": compile_s,
         "loss": float(value),
     }

@@ -3,7 +3,7 @@
 The model is the one Haiku ships; the data are generated: images of 32x32x3 whose labels are a
 fixed random linear function of each image's mean colour, so the loss can fall. Both runs take
 Adam steps under ``jax.jit``: ten on 4 images and 30 on 8, which make test runs (the oldest
-and newest JAX run the first gradients and the program's dtypes, which decide the runs); the
+and newest JAX run the first gradients and the program's dtypes, which the runs rest on); the
 amp run differentiates ``amp(loss)`` with bfloat16 compute. BatchNorm computes its variance in
 one pass, ``mean(square(x)) - square(mean(x))``: with 16-bit squares that cancelled below zero,
 and with 4 images and Adam at 1e-3 the loss was NaN from the third step on (JAX 0.10); squares

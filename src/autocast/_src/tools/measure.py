@@ -248,14 +248,13 @@ def planned_peak_bytes(compiled: Any) -> int | None:
     version reports one, else :func:`planned_sum_bytes`; None where the backend plans none."""
     stats = compiled.memory_analysis()
     peak = getattr(stats, "peak_memory_in_bytes", 0)
-    return int(peak) if peak else planned_sum_bytes(compiled)
+    return int(peak) if peak else planned_sum_bytes(stats)
 
 
-def planned_sum_bytes(compiled: Any) -> int | None:
-    """Arguments + outputs + temporaries - aliased buffers of the compiled program's memory
-    plan (what ``make gpu-plan`` calls the planned peak, on every JAX version); None where
-    the backend plans none."""
-    stats = compiled.memory_analysis()
+def planned_sum_bytes(stats: Any) -> int | None:
+    """Arguments + outputs + temporaries - aliased buffers of a memory plan (a compiled
+    program's ``memory_analysis()``; what ``make gpu-plan`` calls the planned peak, on every
+    JAX version); None for None, a backend that plans none."""
     if stats is None:
         return None
     return int(
