@@ -7,7 +7,10 @@ reach the same parameters, to float32 rounding: the cross-process all-reduce may
 another order. Each also saves its state at step 10 with orbax, and a fresh job restores it
 and runs to step 20: that must give the uninterrupted run's state bit for bit.
 
-docs/scaling_out.md's example is run as 2 processes here as well.
+docs/scaling_out.md's example is run as 2 processes here as well. It is what the oldest and
+the newest JAX run (jax.distributed, gloo, an orbax checkpoint restored bit for bit, on every
+JAX CI tests); the jobs above compare a dozen configurations, which is autocast's own work,
+and are marked once: make test runs them (a minute of both cores on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def _logs(root: Path, processes: int, phase: str) -> list[str]:
     return json.loads((root / f"out{processes}" / f"{phase}.log.json").read_text())
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("case", COMPARISONS)
 def test_two_processes_train_as_one_process_on_as_many_devices(jobs, case):
     one, two = _load(jobs, 1, case), _load(jobs, 2, case)
@@ -180,6 +184,7 @@ def test_two_processes_train_as_one_process_on_as_many_devices(jobs, case):
             )
 
 
+@pytest.mark.once
 def test_every_process_took_the_same_decisions(jobs):
     for phase in ("train", "resume"):
         seen = [json.loads((jobs / "out2" / f"p{i}-{phase}.json").read_text()) for i in range(2)]
@@ -189,6 +194,7 @@ def test_every_process_took_the_same_decisions(jobs):
     assert train["case_dp_optax"]["skipped"][-1] == 1
 
 
+@pytest.mark.once
 def test_fp8_histories_of_two_processes_are_one_process_s(jobs):
     one, two = _load(jobs, 1, "case_fp8_delayed"), _load(jobs, 2, "case_fp8_delayed")
     # powers of two, from the largest amax over every device of both processes
@@ -196,6 +202,7 @@ def test_fp8_histories_of_two_processes_are_one_process_s(jobs):
         assert np.array_equal(one[key], two[key]), key
 
 
+@pytest.mark.once
 def test_report_and_diagnose_work_in_a_multi_process_job_and_print_once(jobs):
     one, two = _load(jobs, 1, "case_tools"), _load(jobs, 2, "case_tools")
     assert float(two["report_share"]) == float(one["report_share"]) == 1.0
@@ -207,6 +214,7 @@ def test_report_and_diagnose_work_in_a_multi_process_job_and_print_once(jobs):
     assert "REPORT" not in logs[1] and "DIAGNOSIS" not in logs[1]
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("processes", (1, 2))
 @pytest.mark.parametrize("case", CHECKPOINTS)
 def test_resumed_from_a_checkpoint_runs_on_bit_for_bit(jobs, case, processes):
@@ -226,6 +234,7 @@ def test_resumed_from_a_checkpoint_runs_on_bit_for_bit(jobs, case, processes):
         )
 
 
+@pytest.mark.once
 def test_the_float8_checkpoint_kept_rows_init_could_not_measure(jobs):
     # the zero-initialised layer: init on the trained weights would now measure these rows
     measured = _load(jobs, 1, "ck_fp8_resume")["history__measured"]

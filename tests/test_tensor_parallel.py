@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import jax_starts_with, users_environ
 
-pytestmark = pytest.mark.slow  # trains models or runs subprocesses: make test-fast leaves it out
+# trains models or runs subprocesses: make test-fast leaves it out. A benchmark script's
+# training run, once: on every JAX, test_regions reads the dtype each collective of amp's
+# programs sums in, and test_higher_order runs shard_map and pmap on several devices
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "tensor_parallel.py"
 # What XLA's CPU runtime says when it aborts a collective whose device threads did not all

@@ -292,6 +292,8 @@ def ode_loss(adjoint):
     return lambda model: neural_ode_loss(model, adjoint=adjoint)
 
 
+# once: the oldest and the newest JAX solve the ODE under vmap, below, with the default adjoint
+@pytest.mark.once
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint",
@@ -347,6 +349,9 @@ def test_diffrax_neural_ode_under_vmap():
     # grad(amp(vmap(...))), amp(grad(vmap(...))) and grad(vmap(amp(...)))
     errors = check_three_ways(batched_ode_loss, (model, y0s), tol=0.1, also=[vmapped_amp])
     assert len(errors) == 3
+    # the vector field's matrix work ran in bfloat16 inside the solver's loops
+    jaxpr, *_ = eqx.filter_make_jaxpr(vmapped_amp)(model, y0s)
+    assert np.dtype(BF16) in matmul_dtypes(jaxpr)
 
 
 @pytest.mark.slow
