@@ -34,6 +34,10 @@ def test_every_example_is_listed_and_tested():
         assert f'_load("{script.stem}")' in tests, script.name
 
 
+# once, as the jmp migration's below: plain-JAX training runs (60 and 80 steps) whose faces
+# every JAX checks in the support matrix and, for jmp's, in test_jmp_suite; the framework
+# examples run on every JAX, against the framework each suite installs
+@pytest.mark.once
 def test_float16_training_example_learns_like_float32():
     result = _load("float16_training").train(steps=60)
     f32, f16 = result["float32"], result["float16 amp"]
@@ -119,6 +123,7 @@ def test_haiku_example_threads_batchnorm_state_through_amp():
     )
 
 
+@pytest.mark.once
 def test_jmp_migration_example_trains_alike_all_ways():
     require("jmp")
     results = _load("jmp_migration").train(steps=80)
