@@ -27,16 +27,27 @@ PLAN_ARGS ?=
 # A venv is made with pip, which then installs uv from the registry, and uv installs the
 # project and its dependencies: on a 2-core machine pip took 33 s for .venv's (9 s of it
 # upgrading itself, which the Python's bundled pip needs to resolve in under 45 s), uv 8 s,
-# with the same packages. --python names the venv: uv would otherwise pick .venv in this
-# folder. Neither byte-compiles; that is done on every core afterwards (the bytecode still
-# matters: where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, no import
-# writes it, and every process would compile JAX's sources again). Left out: the packages'
-# test folders and the installers, which nothing here imports (a quarter of the files: 16 s
-# of compiling instead of 22 for .venv). A file that does not compile is left without
-# bytecode, and the build goes on.
+# with the same packages. --python names the venv whatever VIRTUAL_ENV the caller exported.
+# uv reads none of pip's settings (an index, a certificate): where it cannot install, pip
+# does, as it did before. uv does not byte-compile; that is done on every core afterwards
+# (the bytecode still matters: where PYTHONDONTWRITEBYTECODE is set, as on this project's
+# machines, no import writes it, and every process would compile JAX's sources again). Left
+# out: the packages' test folders and the installers, which the suite runs in one test at
+# most (a quarter of the files: 16 s of compiling instead of 22 for .venv). A file that does
+# not compile is left without bytecode, and the build goes on.
 UV_PIP = -m pip install --quiet --disable-pip-version-check uv
 UV_INSTALL = -m uv pip install --quiet --python
+PIP_INSTALL = -m pip install --quiet --no-compile
+# $(call install,VENV,WHAT): WHAT into VENV, by uv or else by pip
+install = $(1)/bin/python $(UV_PIP) && $(1)/bin/python $(UV_INSTALL) $(1)/bin/python $(2) || \
+	{ $(1)/bin/python -m pip install --quiet --upgrade pip && $(1)/bin/python $(PIP_INSTALL) $(2); }
 BYTECODE := -m compileall -q -j 0 -x '/tests?/|/site-packages/(pip|setuptools|uv)/'
+
+# What each venv installs.
+VENV_WHAT := -e '.[test,demo]'
+OLDEST_WHAT := -c $(OLDEST_CONSTRAINTS) -e '.[test]'
+NEWEST_WHAT = jax==$(NEWEST_JAX) jaxlib==$(NEWEST_JAX) -e '.[test,demo]'
+GPU_PLAN_WHAT := "jax==$$v" "jaxlib==$$v" "jax-cuda12-plugin[with-cuda]==$$v" flax -e '.[demo]'
 
 # What the scripts test-newest runs read, wherever they were given (command line or environment).
 export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
@@ -45,15 +56,13 @@ export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python $(UV_PIP)
-	$(VENV)/bin/python $(UV_INSTALL) $(VENV)/bin/python -e '.[test,demo]'
+	$(call install,$(VENV),$(VENV_WHAT))
 	$(VENV)/bin/python $(BYTECODE) $(VENV)/lib || true
 	touch $@
 
 $(OLDEST_VENV)/.installed: pyproject.toml $(OLDEST_CONSTRAINTS)
 	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/python $(UV_PIP)
-	$(OLDEST_VENV)/bin/python $(UV_INSTALL) $(OLDEST_VENV)/bin/python -c $(OLDEST_CONSTRAINTS) -e '.[test]'
+	$(call install,$(OLDEST_VENV),$(OLDEST_WHAT))
 	$(OLDEST_VENV)/bin/python $(BYTECODE) $(OLDEST_VENV)/lib || true
 	touch $@
 
@@ -62,17 +71,14 @@ $(OLDEST_VENV)/.installed: pyproject.toml $(OLDEST_CONSTRAINTS)
 $(NEWEST_VENV)/.installed: pyproject.toml
 	@test -n "$(NEWEST_PYTHON)" || { echo "run make test-newest: it finds a Python >= 3.12"; exit 2; }
 	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
-	$(NEWEST_VENV)/bin/python $(UV_PIP)
-	$(NEWEST_VENV)/bin/python $(UV_INSTALL) $(NEWEST_VENV)/bin/python jax==$(NEWEST_JAX) jaxlib==$(NEWEST_JAX) -e '.[test,demo]'
+	$(call install,$(NEWEST_VENV),$(NEWEST_WHAT))
 	$(NEWEST_VENV)/bin/python $(BYTECODE) $(NEWEST_VENV)/lib || true
 	touch $@
 
 $(GPU_PLAN_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(GPU_PLAN_VENV)
-	$(GPU_PLAN_VENV)/bin/python $(UV_PIP)
 	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
-	$(GPU_PLAN_VENV)/bin/python $(UV_INSTALL) $(GPU_PLAN_VENV)/bin/python "jax==$$v" "jaxlib==$$v" \
-		"jax-cuda12-plugin[with-cuda]==$$v" flax -e '.[demo]'
+	$(call install,$(GPU_PLAN_VENV),$(GPU_PLAN_WHAT))
 	$(GPU_PLAN_VENV)/bin/python $(BYTECODE) $(GPU_PLAN_VENV)/lib || true
 	touch $@
 
@@ -107,9 +113,10 @@ test-fast: $(VENV)/.installed
 	fi
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
-# The oldest and the newest JAX run every test but those marked once: long training runs,
-# benchmark scripts and the wheel's install, whose verdict does not hinge on the JAX version,
-# which make test runs.
+# The oldest and the newest JAX run every test but those marked once, which make test runs:
+# long training runs, benchmark scripts and the wheel's install, whose verdict does not hinge
+# on the JAX version, bigger repeats of what a cheaper test checks on every JAX, and three
+# quarters of the support matrix's cube.
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not once" $(PYTEST_ARGS)

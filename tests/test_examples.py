@@ -35,8 +35,8 @@ def test_every_example_is_listed_and_tested():
 
 
 # once, as the jmp migration's below: plain-JAX training runs (60 and 80 steps) whose faces
-# every JAX checks in the support matrix and, for jmp's, in test_jmp_suite; the framework
-# examples run on every JAX, against the framework each suite installs
+# every JAX checks in the support matrix and, for jmp's, in test_jmp_suite; the Flax and
+# Haiku examples run on every JAX, against the framework each suite installs
 @pytest.mark.once
 def test_float16_training_example_learns_like_float32():
     result = _load("float16_training").train(steps=60)

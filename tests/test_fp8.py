@@ -62,6 +62,10 @@ def _flops_where(jaxpr, which, products):
     return chosen, total
 
 
+# once: a model's share of the rule that every JAX checks product by product below (the
+# formats of each spelling, convolutions' e4m3 forward and e5m2 gradients, the transformer's
+# float8 residuals, attention's batched products in bfloat16)
+@pytest.mark.once
 @pytest.mark.slow
 def test_gpt_weight_products_are_float8_forward_and_backward_with_e5m2_gradients():
     params, tokens = _demo_gpt()

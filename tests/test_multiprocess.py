@@ -7,10 +7,11 @@ reach the same parameters, to float32 rounding: the cross-process all-reduce may
 another order. Each also saves its state at step 10 with orbax, and a fresh job restores it
 and runs to step 20: that must give the uninterrupted run's state bit for bit.
 
-docs/scaling_out.md's example is run as 2 processes here as well. It is what the oldest and
-the newest JAX run (jax.distributed, gloo, an orbax checkpoint restored bit for bit, on every
-JAX CI tests); the jobs above compare a dozen configurations, which is autocast's own work,
-and are marked once: make test runs them (a minute of both cores on a 2-core machine).
+docs/scaling_out.md's example is run as 2 processes here as well, on every JAX that CI tests
+(jax.distributed, gloo, an orbax checkpoint restored bit for bit):
+test_the_scaling_out_page_s_example_runs_as_two_processes. The jobs above, a dozen
+configurations (state_shardings over processes, float8 histories, a resume in a fresh job),
+are once: make test runs them, a minute of both cores on a 2-core machine.
 """
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ def test_amp_trains_like_float32():
     assert abs(amp_losses[-1] - f32_losses[-1]) <= 0.05 * f32_losses[-1], (amp_losses, f32_losses)
 
 
+# once: every JAX runs test_convolutions_ran_in_bfloat16_and_squares_in_float32, below
 @pytest.mark.once
 def test_first_gradients_match_float32():
     # With the logits layer at zero, as Haiku starts it, the first gradient is that layer's:

@@ -292,12 +292,14 @@ def ode_loss(adjoint):
     return lambda model: neural_ode_loss(model, adjoint=adjoint)
 
 
-# once: the oldest and the newest JAX solve the ODE under vmap, below, with the default adjoint
-@pytest.mark.once
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint",
-    [diffrax.RecursiveCheckpointAdjoint(), diffrax.BacksolveAdjoint()],
+    [
+        # once: the oldest and the newest JAX solve with the default adjoint under vmap, below
+        pytest.param(diffrax.RecursiveCheckpointAdjoint(), marks=pytest.mark.once),
+        diffrax.BacksolveAdjoint(),  # a custom_vjp whose backward solves an ODE: every JAX
+    ],
     ids=lambda a: type(a).__name__,
 )
 def test_diffrax_neural_ode(adjoint):
