@@ -528,3 +528,20 @@ def test_a_python_float_loss_decides_as_an_array_does():
         updates, after = tx.update(jnp.ones(2), state, params, value=value)
         assert int(aopt.skipped_steps(after)) == skipped, value
         assert bool(jnp.all(updates == 0)) == bool(skipped)
+
+
+def test_the_state_made_by_init_can_be_donated_to_a_jitted_step():
+    # Donation needs every leaf of the state in its own buffer: a shared zero counter made
+    # XLA refuse the step ("donate the same buffer twice").
+    tx = aopt.dynamic_loss_scaling(optax.sgd(0.1))
+    params = {"w": jnp.ones(3, jnp.float32)}
+    state = tx.init(params)
+    leaves = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+    assert len({id(x) for x in leaves}) == len(leaves)
+
+    def step(params, state):
+        updates, state = tx.update(params, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = jax.jit(step, donate_argnums=(0, 1))(params, state)
+    np.testing.assert_array_equal(np.asarray(state.health.skipped_in_a_row), 0)

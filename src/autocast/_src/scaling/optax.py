@@ -168,8 +168,12 @@ def dynamic_loss_scaling(
                 "dynamic_loss_scaling (e.g. inside optax.chain): the gradients would be "
                 "unscaled twice; use it once, as the outermost wrapper"
             )
+        # One array per counter (and a fresh copy of the scale): a donated jitted step needs
+        # every leaf of the state in its own buffer.
         return LossScalingState(
-            loss_scale, inner_state, ScalingHealth(*[jnp.zeros((), jnp.int32)] * 3)
+            jax.tree_util.tree_map(jnp.array, loss_scale),
+            inner_state,
+            ScalingHealth(*(jnp.zeros((), jnp.int32) for _ in range(3))),
         )
 
     def update(
