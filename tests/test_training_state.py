@@ -539,3 +539,17 @@ def test_the_optax_face_unscales_16_bit_gradients_into_float32():
     assert before == after
     assert new_state.inner.inner_state[0].nu["h"].dtype == jnp.float16
     assert optax.apply_updates(params, updates)["h"].dtype == jnp.float16
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_low_precision_state_refuses_float8_parameters(dtype):
+    # float8 parameters cannot take the update the state computes (it came back NaN): the
+    # parameter is named, at init and at update alike
+    tx = ao.low_precision_state(optax.adam(1e-3), dtype)
+    params = {"w": jnp.ones((4, 8), jnp.float8_e4m3fn)}
+    with pytest.raises(TypeError, match=r"\['w'\].*float8_e4m3fn"):
+        tx.init(params)
+    good = {"w": jnp.ones((4, 8), jnp.float32)}
+    state = tx.init(good)
+    with pytest.raises(TypeError, match=r"\['w'\].*float8_e4m3fn"):
+        tx.update(good, state, params)

@@ -14,7 +14,7 @@ from autocast._src.scaling.optax import LossScalingState
 from autocast._src.state import bits as _bits
 from autocast._src.state import blocks, rounding
 from autocast._src.state.keys import StoredKey
-from autocast._src.state.params import KahanState, StochasticRoundingState
+from autocast._src.state.params import KahanState, StochasticRoundingState, refuse_8_bit_params
 from autocast._src.tree import is_floating_array, map_floating
 
 _STORABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32))
@@ -32,6 +32,8 @@ _WHY_NOT = {
 # these. Scalars (a step size in optax.inject_hyperparams, a loss scale) stay as they are.
 _COMPACTABLE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares")
+# An 8-bit float parameter cannot take a float32 update: the step would be lost or NaN.
+_PARAMETERS = "are float32, bfloat16 or float16 (the state's dtype is the optimizer's, not theirs)"
 
 
 class LowPrecisionState(NamedTuple):
@@ -251,6 +253,7 @@ def low_precision_state(
         )
 
     def init(params: Any) -> LowPrecisionState:
+        refuse_8_bit_params(params, "low_precision_state", _PARAMETERS)
         inner_state = inner.init(_to_float32(params))
         _refuse_inside(inner_state)
         return LowPrecisionState(
@@ -274,6 +277,7 @@ def low_precision_state(
                 + ("has one" if stored_key is not None else "has none")
                 + ": a state from another configuration"
             )
+        refuse_8_bit_params(params, "low_precision_state", _PARAMETERS)
         new_updates, inner_state = inner.update(
             _to_float32(updates), decode(state.inner), _to_float32(params), **extra_args
         )

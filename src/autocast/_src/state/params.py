@@ -36,12 +36,20 @@ def _check_params(params: Any, owner: str) -> None:
             f"{owner} rounds onto the parameters and needs them: call "
             "tx.update(updates, state, params)"
         )
+    refuse_8_bit_params(
+        params,
+        owner,
+        f"are rounded onto {_NARROW_NAMES} (float32 and wider pass through), not onto 8-bit floats",
+    )
+
+
+def refuse_8_bit_params(params: Any, owner: str, why: str) -> None:
+    """Raises a TypeError naming the first parameter in an 8-bit float dtype; ``why`` says
+    what parameters are, after "parameters"."""
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
         if is_floating_array(p) and jnp.dtype(p.dtype).itemsize < 2:
             raise TypeError(
-                f"{owner}: parameter {jax.tree_util.keystr(path)} is {p.dtype}; parameters "
-                f"are rounded onto {_NARROW_NAMES} (float32 and wider pass through), not onto "
-                "8-bit floats"
+                f"{owner}: parameter {jax.tree_util.keystr(path)} is {p.dtype}; parameters {why}"
             )
 
 
