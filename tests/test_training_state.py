@@ -553,3 +553,22 @@ def test_low_precision_state_refuses_float8_parameters(dtype):
     state = tx.init(good)
     with pytest.raises(TypeError, match=r"\['w'\].*float8_e4m3fn"):
         tx.update(good, state, params)
+
+
+def test_one_key_given_to_the_state_and_to_the_rounding_draws_two_streams():
+    # The same key is what a user passes to both (key=jax.random.key(0) twice): each
+    # transformation folds its own name into the draw, so their random bits differ.
+    from autocast._src.state.keys import StoredKey
+
+    key = jax.random.key(0)
+    data = jax.random.key_data(key)
+    draws = [
+        jax.random.bits(StoredKey(key, owner).split(data)[1], (64,), jnp.uint32)
+        for owner in ("low_precision_state", "stochastic_rounding")
+    ]
+    assert not np.any(np.asarray(draws[0]) == np.asarray(draws[1]))
+    # and the next stored key is the same for both: only this step's bits are told apart
+    np.testing.assert_array_equal(
+        StoredKey(key, "low_precision_state").split(data)[0],
+        StoredKey(key, "stochastic_rounding").split(data)[0],
+    )

@@ -3,6 +3,7 @@ data (a plain array, which every checkpoint library saves), rebuilt to be split.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import jax
@@ -18,6 +19,9 @@ class StoredKey:
 
     def __init__(self, key: Any, owner: str) -> None:
         self.owner = owner
+        # Folded into each step's draw: a user who gives the same key to two transformations
+        # (the state's rounding and the parameters') gets two streams of bits, not one.
+        self.stream = zlib.crc32(owner.encode()) & 0x7FFFFFFF
         if key is None:
             raise TypeError(f"{owner} needs a key: {ACCEPTED}; got None")
         if isinstance(key, (bool, np.bool_)) or not isinstance(
@@ -52,8 +56,9 @@ class StoredKey:
             )
 
     def split(self, data: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(the next stored data, a typed key to draw this step's bits from)."""
+        """(the next stored data, a typed key to draw this step's bits from, this
+        transformation's own)."""
         self.check(data)
         key = jax.random.wrap_key_data(data, impl=self.impl)
         following, now = jax.random.split(key)
-        return jax.random.key_data(following), now
+        return jax.random.key_data(following), jax.random.fold_in(now, self.stream)

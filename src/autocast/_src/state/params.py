@@ -119,10 +119,10 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
 
     Example:
         >>> import autocast.optax, jax, jax.numpy as jnp, optax
-        >>> params = {"w": jnp.ones(4, jnp.bfloat16)}
+        >>> params = {"w": jnp.ones(256, jnp.bfloat16)}
         >>> tx = optax.chain(optax.sgd(1e-3), autocast.optax.stochastic_rounding(jax.random.key(0)))
         >>> state = tx.init(params)
-        >>> grads = {"w": jnp.ones(4, jnp.bfloat16)}
+        >>> grads = {"w": jnp.ones(256, jnp.bfloat16)}
         >>> for _ in range(100):  # each step moves by 1e-3, a quarter of bfloat16's spacing
         ...     updates, state = tx.update(grads, state, params)
         ...     params = optax.apply_updates(params, updates)
