@@ -25,16 +25,14 @@ BENCH_ARGS ?=
 GPU_PLAN_VENV := .venv-gpu-plan
 PLAN_ARGS ?=
 # A venv is made with pip, which then installs uv from the registry, and uv installs the
-# project and its dependencies: on a 2-core machine pip took 33 s for .venv's (9 s of it
-# upgrading itself; the Python's own pip, not upgraded, took 45 s), uv 8 s, with the same
-# packages. --python names the venv whatever VIRTUAL_ENV the caller exported. uv reads none
-# of pip's settings (an index, a certificate): where it cannot install, pip does, as it did
-# before. uv does not byte-compile; that is done on every core afterwards (the bytecode
-# still matters: where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, no
-# import writes it, and every process would compile JAX's sources again). Left out: the
-# packages' test folders and the installers, which the suite runs in one test at most (a
-# quarter of the files: 16 s of compiling instead of 22 for .venv). A file that does not
-# compile is left without bytecode, and the build goes on.
+# project and its dependencies: uv is several times faster than pip with the same packages
+# (docs/benchmarks.md, CI's time). --python names the venv whatever VIRTUAL_ENV the caller
+# exported. uv reads none of pip's settings (an index, a certificate): where it cannot
+# install, pip does. uv does not byte-compile; that is done on every core afterwards (where
+# PYTHONDONTWRITEBYTECODE is set, as on this project's machines, no import writes bytecode,
+# and every process would compile JAX's sources again). Left out: the packages' test folders
+# and the installers, which the suite runs in one test at most. A file that does not compile
+# is left without bytecode, and the build goes on.
 # $(call install,VENV,WHAT): WHAT into VENV, by uv or else by pip
 install = $(1)/bin/python -m pip install --quiet --disable-pip-version-check uv && \
 	$(1)/bin/python -m uv pip install --quiet --python $(1)/bin/python $(2) || \
