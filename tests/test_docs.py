@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
-README_LIMIT = 12 * 1024
+README_LIMIT = 8 * 1024
 
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(.*?)\s*-->\s*$")
