@@ -33,7 +33,7 @@ _WHY_NOT = {
 _COMPACTABLE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares")
 # An 8-bit float parameter cannot take a float32 update: the step would be lost or NaN.
-_PARAMETERS = "are float32, bfloat16 or float16 (the state's dtype is the optimizer's, not theirs)"
+_PARAMETERS = "are floats of 16 bits or more (the dtype low_precision_state takes is its state's)"
 
 
 class LowPrecisionState(NamedTuple):
@@ -174,8 +174,9 @@ def low_precision_state(
         TypeError: If ``inner`` is not an optax transformation, ``dtype`` is not one of
             those (float16, for one, is refused with the reason), or ``key`` is not a key;
             from ``init``, if ``inner`` contains :func:`stochastic_rounding`,
-            :func:`kahan_summation` or :func:`dynamic_loss_scaling`; from ``update``, if
-            ``state`` is not a :class:`LowPrecisionState`.
+            :func:`kahan_summation` or :func:`dynamic_loss_scaling`; from ``init`` and
+            ``update``, if a parameter is an 8-bit float; from ``update``, if ``state`` is
+            not a :class:`LowPrecisionState`.
         ValueError: If ``block_size`` is not a positive int; from ``update``, if the
             state was stored by another configuration (another dtype, block size or key).
 
