@@ -5,14 +5,15 @@ Run: ``.venv/bin/python examples/flax_nnx.py [--steps 40]``. Prints float32 and 
 side by side, and shows that BatchNorm's running statistics and Dropout's RNG state move
 from step to step under amp.
 
-The pitfall. An NNX module is mutable: BatchNorm writes its running statistics and Dropout
-advances its RNG counter as the module runs. ``amp`` (like ``jax.jit``) works on pure
-functions: it traces ``fn`` on copies of its arguments, so writes to a module inside
-``nnx.value_and_grad(amp(loss_fn))(model, ...)`` land on amp's copy and are silently lost.
-Training still runs, with frozen statistics and the same dropout mask at every step.
-
-The pattern. Let amp wrap a *pure* function of the module's state that returns the state it
-changed, and write that state back with ``nnx.update``, outside amp:
+Module writes. An NNX module is mutable: BatchNorm writes its running statistics and
+Dropout advances its RNG counter as the module runs. ``amp`` traces ``fn`` on copies of its
+arguments; on Flax 0.11 and later (NNX modules are pytrees) it carries every variable the
+function gave a new value out to the caller's module, so
+``nnx.value_and_grad(amp(loss_fn))(model, ...)`` updates the statistics as it would without
+amp. On Flax 0.10 a module that writes to itself inside amp raises Flax's
+``TraceContextError``. This example uses the form that works on both: amp wraps a *pure*
+function of the module's state that returns the state it changed, and ``nnx.update``
+writes it back outside amp:
 
     def loss_fn(model, x, y):
         graphdef, state = nnx.split(model)

@@ -6,7 +6,8 @@
   re-traces sub-jaxprs for the dtypes their inputs have; ``regions`` gathers float32
   elementwise work into checkpointed regions stored in 16 bits; ``closures`` makes what
   custom rules close over explicit; ``entry_points`` runs dtype-dispatching functions (fused
-  attention) in the compute dtype.
+  attention) in the compute dtype; ``writes`` carries a Flax NNX module's writes out of
+  amp's trace to the caller's variables.
 - ``policy``: what runs in which dtype: the default table (``table``), the precision
   functions (``precision``), casting (``casting``), and jmp's dtype ``Policy`` (``dtypes``).
 - ``scaling``: loss scaling: one core (``core``: the rule, the floor, the health counters,

@@ -22,6 +22,7 @@ from autocast._src.transform import (
     closures,
     entry_points,
     handlers,  # noqa: F401 - fills the interpreter's handler table
+    writes,
 )
 from autocast._src.transform.interpreter import RAW, UNMAPPED, Context, eval_jaxpr
 from autocast._src.tree import is_array, is_floating_dtype
@@ -108,13 +109,16 @@ class _Traced:
     """One trace of the user's function: its jaxpr, how to rebuild its outputs, and the
     compiled versions used when it is called outside any transformation."""
 
-    __slots__ = ("jaxpr", "out_tree", "out_static", "out_avals", "compiled")
+    __slots__ = ("jaxpr", "out_tree", "out_static", "out_avals", "writes", "compiled")
 
-    def __init__(self, jaxpr: Any, out_tree: Any, out_static: list) -> None:
+    def __init__(self, jaxpr: Any, out_tree: Any, out_static: list, writes: list) -> None:
         self.jaxpr = jaxpr
         self.out_tree = out_tree
         self.out_static = out_static
         self.out_avals = list(jaxpr.out_avals)
+        # (index among the arguments' NNX variables, its new value if static, else None):
+        # the jaxpr's last outputs are the new values of those written with an array
+        self.writes = writes
         self.compiled: dict[tuple, Callable[..., list]] = {}
 
     def evaluate(self, ctx: Context) -> Callable[..., list]:
@@ -145,10 +149,21 @@ class _Traced:
 
     def rebuild(self, outs: Any) -> Any:
         """The function's output structure around the jaxpr's outputs ``outs`` (its static
-        leaves put back in place)."""
+        leaves put back in place); the new values of written variables that follow are
+        left out."""
         it = iter(outs)
         leaves = [next(it) if s is None else s for s in self.out_static]
         return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
+    def write_back(self, arguments: Any, outs: Sequence[Any]) -> None:
+        """Sets the NNX variables in ``arguments`` (the caller's) that the function wrote to
+        the values it wrote, from the jaxpr's outputs ``outs``."""
+        if not self.writes:
+            return
+        held = writes.variables(arguments)
+        written = iter(outs[len(outs) - sum(v is None for _, v in self.writes) :])
+        for index, static in self.writes:
+            writes.set_value(held[index], next(written) if static is None else static)
 
 
 def _unmapped(mapped_by: Sequence[frozenset], every: frozenset) -> list[int] | None:
@@ -171,15 +186,14 @@ def _restore(x: Any, aval: Any) -> Any:
     return x
 
 
-class _Amp:
-    """The callable ``amp`` returns; one per wrapped function."""
+class _Settings:
+    """What an ``amp`` function is besides its function: the compute dtype, the float8
+    recipe and the policy. Compared and hashed by value, so two ``amp`` of one module with
+    the same settings flatten to equal tree structures (``eqx.filter_jit`` hits its cache)."""
 
-    def __init__(
-        self, fn: Callable[..., Any], compute_dtype: Any, amp_policy: Any, *, delayed: Any = None
-    ) -> None:
-        """``delayed``: a float8 recipe with delayed scaling (``autocast.amp_fp8_delayed``'s),
-        in place of ``compute_dtype``."""
-        self._fn = fn
+    __slots__ = ("compute_dtype", "fp8_recipe", "policy", "scope_keys", "key")
+
+    def __init__(self, compute_dtype: Any, amp_policy: Any, delayed: Any) -> None:
         policy = default_amp_policy if amp_policy is None else _check_policy(amp_policy)
         try:
             self.fp8_recipe = delayed or (
@@ -192,26 +206,139 @@ class _Amp:
         if self.fp8_recipe is not None:
             compute_dtype = fp8.CARRIER
             policy = fp8.with_fp8_products(policy, self.fp8_recipe)
-        self._compute_dtype = (
+        # None until the first call resolves it (half_dtype), not at decoration time
+        self.compute_dtype = (
             None
             if compute_dtype is None
             else canonicalize_float_dtype(compute_dtype, what="compute_dtype")
         )
-        self._policy = policy
-        self._scope_keys = frozenset(k for k in policy if isinstance(k, str))
+        self.policy = policy
+        self.scope_keys = frozenset(k for k in policy if isinstance(k, str))
         try:
             policy_key: Any = frozenset(policy.items())
         except TypeError:
-            policy_key = object()  # unhashable rules: a cache of this function's own
-        self._cache = _shared_cache(fn, (self._compute_dtype, self.fp8_recipe, policy_key))
+            policy_key = object()  # unhashable rules: equal only to itself
+        # fixed here: the compute dtype resolved later must not change the hash
+        self.key = (self.compute_dtype, self.fp8_recipe, policy_key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Settings) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+class _Same:
+    """A function held in a tree structure, equal only to itself (a callable object may
+    define ``==`` without a hash)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return id(self.fn)
+
+
+def _is_node(fn: Any) -> bool:
+    """Whether ``fn`` is a pytree with children of its own (an Equinox or NNX module, an
+    Equinox bound method, a ``jax.tree_util.Partial``), not a plain function."""
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(fn))
+
+
+def _as_pytree(fn: Any) -> Any:
+    """``fn``, or where it is a method bound to a pytree with children (``model.__call__``
+    of an Equinox or NNX module is a plain bound method), the same call as a
+    ``jax.tree_util.Partial`` whose argument is that pytree, so its leaves are seen."""
+    owner = getattr(fn, "__self__", None)
+    if inspect.ismethod(fn) and owner is not None and _is_node(owner):
+        return jax.tree_util.Partial(fn.__func__, owner)
+    return fn
+
+
+def _call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """What ``amp(module)`` traces: the module is an argument, so its array leaves are the
+    trace's inputs (their gradients flow) and its structure is part of the trace's key."""
+    return module(*args, **kwargs)
+
+
+class _Amp:
+    """The callable ``amp`` returns; one per wrapped function.
+
+    A pytree: where ``fn`` has children (an Equinox or NNX module), they are its children,
+    so ``eqx.filter_grad``, ``eqx.tree_at``, ``jax.tree_util`` and checkpointing see the
+    module's parameters through it; a plain function has none."""
+
+    def __init__(
+        self, fn: Callable[..., Any], compute_dtype: Any, amp_policy: Any, *, delayed: Any = None
+    ) -> None:
+        """``delayed``: a float8 recipe with delayed scaling (``autocast.amp_fp8_delayed``'s),
+        in place of ``compute_dtype``."""
+        self._bind(_as_pytree(fn), _Settings(compute_dtype, amp_policy, delayed))
+        if fn is not self._fn:  # a bound method: its name and docstring, not Partial's
+            functools.update_wrapper(self, fn, updated=())
+            self.__wrapped__ = self._fn
+
+    def _bind(self, fn: Callable[..., Any], settings: _Settings) -> None:
+        self._fn = fn
+        self._settings = settings
+        self._node = _is_node(fn)
+        # a module's traces are shared by every module (its structure is in their key); a
+        # plain function's are its own, as jax.jit's cache is keyed on the function
+        self._cache = _shared_cache(_call_module if self._node else fn, settings.key)
         self._traces = self._cache.traces
         # Name and docstring of fn, but not its __dict__: a callable object's attributes
         # would overwrite amp's own (one named _fn, say).
         functools.update_wrapper(self, fn, updated=())
 
+    def __getattr__(self, name: str) -> Any:
+        # a wrapped module's fields read through the wrapper (``amp(model).layers``), as
+        # ``eqx.tree_at`` and user code reach into a model; only for names amp lacks
+        fn = self.__dict__.get("_fn")
+        if fn is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(fn, name)
+
+    @property
+    def fp8_recipe(self) -> Any:
+        return self._settings.fp8_recipe
+
+    @property
+    def _policy(self) -> dict:
+        return self._settings.policy
+
+    @property
+    def _scope_keys(self) -> frozenset:
+        return self._settings.scope_keys
+
+    @property
+    def _compute_dtype(self) -> Any:
+        return self._settings.compute_dtype
+
+    def _tree_flatten_with_keys(self) -> tuple[tuple, tuple]:
+        if self._node:
+            return ((jax.tree_util.GetAttrKey("__wrapped__"), self._fn),), (self._settings, None)
+        return (), (self._settings, _Same(self._fn))
+
+    def _tree_flatten(self) -> tuple[tuple, tuple]:
+        if self._node:
+            return (self._fn,), (self._settings, None)
+        return (), (self._settings, _Same(self._fn))
+
+    @classmethod
+    def _tree_unflatten(cls, aux: tuple, children: tuple) -> _Amp:
+        settings, same = aux
+        new = object.__new__(cls)
+        new._bind(same.fn if same is not None else children[0], settings)
+        return new
+
     def _context(self) -> Context:
-        if self._compute_dtype is None:  # resolved on first call, not at decoration time
-            self._compute_dtype = half_dtype()
+        if self._settings.compute_dtype is None:  # resolved on first call
+            self._settings.compute_dtype = half_dtype()
         return Context(
             compute_dtype=self._compute_dtype,
             policy=self._policy,
@@ -255,20 +382,28 @@ class _Amp:
 
         out_store: dict[str, Any] = {}
 
+        target = _call_module if self._node else self._fn
+
         def flat_fn(*dyn: Any) -> list[Any]:
             full = list(leaves)
             for i, x in zip(dynamic, dyn):
                 full[i] = x
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, full)
-            out = self._fn(*args, **kwargs)
+            held = writes.variables((args, kwargs))
+            before = [writes.value_of(v) for v in held]
+            out = target(*args, **kwargs)
             _check_output(self._fn, out)
             out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
             out_store["static"] = [None if is_array(x) else x for x in out_leaves]
-            return [x for x in out_leaves if is_array(x)]
+            # the variables the function gave a new value: outputs too (see writes.py)
+            after = [writes.value_of(v) for v in held]
+            written = [(i, a) for i, (b, a) in enumerate(zip(before, after)) if a is not b]
+            out_store["writes"] = [(i, None if is_array(a) else a) for i, a in written]
+            return [x for x in out_leaves if is_array(x)] + [a for _, a in written if is_array(a)]
 
         with _tracing_fn(), entry_points.tracing(ctx.compute_dtype, self._keeps_precision):
             jaxpr = jax.make_jaxpr(flat_fn)(*specs)
-        traced = _Traced(jaxpr, out_store["tree"], out_store["static"])
+        traced = _Traced(jaxpr, out_store["tree"], out_store["static"], out_store["writes"])
         if key is not None and not any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts):
             self._traces[key] = traced
             if len(self._traces) > _TRACE_CACHE_SIZE:
@@ -290,12 +425,17 @@ class _Amp:
             if compiled is None:
                 compiled = traced.compiled[key] = jax.jit(traced.evaluate(ctx))
             outs = compiled(*args_in)
+        traced.write_back(self._arguments(args, kwargs), outs)
         return traced.rebuild(outs)
+
+    def _arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments of the traced function: a module's own leaves come first."""
+        return ((self._fn, *args) if self._node else args), kwargs
 
     def _traced_call(self, args: tuple, kwargs: dict, ctx: Context) -> tuple[_Traced, list[Any]]:
         """The trace for these arguments under ``ctx`` (:meth:`_context`), and the values its
-        jaxpr takes: the array leaves."""
-        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        jaxpr takes: the array leaves (a module's first)."""
+        leaves, in_tree = jax.tree_util.tree_flatten(self._arguments(args, kwargs))
         arrays = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         floats = [i for i, x in enumerate(leaves) if type(x) in (float, complex)]
         if not floats or in_tree in self._cache.static_floats:
@@ -314,6 +454,11 @@ class _Amp:
             else x
             for i, x in ((i, leaves[i]) for i in dynamic)
         ]
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Amp, _Amp._tree_flatten_with_keys, _Amp._tree_unflatten, _Amp._tree_flatten
+)
 
 
 def _check_output(fn: Any, out: Any) -> None:
@@ -360,6 +505,12 @@ def amp(
     call costs no new trace, as with ``jax.jit``. While an ``amp``
     function is being traced, an ``amp`` function called inside it runs as plain ``fn``: the
     outermost one's settings apply.
+
+    ``fn`` may be a module: ``amp(model)`` of an Equinox or NNX module, or of a method
+    bound to one, is a pytree whose children are the module's, so ``eqx.filter_grad``,
+    ``eqx.tree_at`` and ``jax.tree_util`` see its parameters through the wrapper. A Flax NNX
+    variable the function gives a new value (BatchNorm's statistics) is set on the caller's
+    variable after the call, as it would be without ``amp`` (docs/third_party.md).
 
     A float8 ``compute_dtype`` (``jnp.float8_e4m3fn``, ``"fp8"``, ``jnp.float8_e5m2``) runs
     the matrix products in float8 with per-tensor scaling and everything else in bfloat16
