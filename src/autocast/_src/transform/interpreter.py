@@ -785,6 +785,25 @@ def _recomputed_product(eqn: Any, invals: Sequence[Any], ctx: Context) -> bool:
     )
 
 
+def _narrowed_operands(eqn: Any, invals: list, ctx: Context, inputs: set) -> list:
+    """The operands of a product recomputed with its chains, each float32 one the program
+    computed (a transposed kernel) cast to the compute dtype before the checkpoint rather
+    than inside it: the checkpoint keeps its inputs, and the 16-bit cast is half the float32
+    value's bytes. An argument or constant enters as it is (kept anyway, and a cast would
+    be a copy), and so does a value another checkpoint already keeps. The product casts its
+    operands to the compute dtype anyway, so the values are the same bits."""
+    return [
+        cast_value(x, ctx.compute_dtype)
+        if not isinstance(var, _compat.Literal)
+        and var not in inputs
+        and not isinstance(x, (recompute.Link, regions.Wide))
+        and np.dtype(getattr(x, "dtype", np.bool_)) == np.float32
+        and not recompute.kept_anyway(x)
+        else x
+        for var, x in zip(eqn.invars, invals)
+    ]
+
+
 def _every_reader(
     eqns: Sequence[Any], outputs: set, accepts: Callable[[Any, Callable[[Any], bool]], bool]
 ) -> dict[Any, bool]:
@@ -913,6 +932,7 @@ def _eval_jaxpr(
     def bind(eqn: Any, invals: list, kinds: Sequence[int]) -> Any:
         return apply_first_order(eqn, invals, kinds, ctx, uses, moved)
 
+    inputs = {*jaxpr.constvars, *jaxpr.invars}
     for i, (var, value) in enumerate(zip(jaxpr.constvars, consts)):
         env[var] = value
         kind_of[var] = RAW if const_kinds is None else const_kinds[i]
@@ -983,6 +1003,7 @@ def _eval_jaxpr(
             stream32, _ = regions.float32_inputs(eqn, invals, [k in (STRONG, RAW) for k in kinds])
             invals = [recompute.region_link(x, np.float32 if stream32 else None) for x in invals]
             if any(isinstance(x, recompute.Link) for x in invals):
+                invals = _narrowed_operands(eqn, invals, ctx, inputs)
                 with _compat.equation_context(eqn):
                     out = recompute.into_product(
                         eqn, invals, lambda xs, e=eqn, k=kinds: bind(e, xs, k), kinds

@@ -236,11 +236,11 @@ def _nbytes(x: Any) -> int:
 def _kept_as_written(order: Sequence[Link]) -> int:
     """Bytes the chain's equations keep for their derivatives when bound one by one (an
     estimate: what each primitive's derivative reads, each value counted once, less what
-    is kept anyway: :func:`_kept_anyway`)."""
+    is kept anyway: :func:`kept_anyway`)."""
     kept: dict[int, int] = {}
     for node in order:
         for a in _read_as_written(node):
-            kept[id(a)] = 0 if _kept_anyway(a) else _nbytes(a)
+            kept[id(a)] = 0 if kept_anyway(a) else _nbytes(a)
     return sum(kept.values())
 
 
@@ -310,7 +310,7 @@ def _registered(a: Any) -> Any:
     return None if _is_constant(a) or isinstance(a, Link) else a
 
 
-def _kept_anyway(a: Any) -> bool:
+def kept_anyway(a: Any) -> bool:
     """Whether something already bound keeps ``a`` for the backward pass."""
     a = _registered(a)
     return a is not None and bool(_accounts) and id(a) in _accounts[-1].kept
@@ -410,7 +410,7 @@ def _worth_it(order: Sequence[Link], leaves: Sequence[Any], read_by_consumer: in
     tie costs, where that later chain is bound as written after all. A chain holding a
     product (``mul``, ``div``) never wins a tie: what it keeps as written is an upper bound
     (see :data:`_READS_AN_OPERAND`)."""
-    fresh = [x for x in leaves if not _kept_anyway(x)]
+    fresh = [x for x in leaves if not kept_anyway(x)]
     kept = sum(_nbytes(x) for x in fresh)
     written = _kept_as_written(order) + read_by_consumer
     if all(n.eqn.primitive.name in MOVEMENT for n in order):
