@@ -785,13 +785,27 @@ def _recomputed_product(eqn: Any, invals: Sequence[Any], ctx: Context) -> bool:
     )
 
 
+def _views_of_inputs(jaxpr: Any) -> set:
+    """The arguments and constants of ``jaxpr``, and the values only data movement made of
+    them (a transposed kernel): XLA keeps the argument for the backward pass, not a copy."""
+    views = {*jaxpr.constvars, *jaxpr.invars}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in recompute.MOVEMENT and all(
+            isinstance(v, _compat.Literal) or v in views for v in eqn.invars
+        ):
+            views.update(eqn.outvars)
+    return views
+
+
 def _narrowed_operands(eqn: Any, invals: list, ctx: Context, inputs: set) -> list:
     """The operands of a product recomputed with its chains, each float32 one the program
-    computed (a transposed kernel) cast to the compute dtype before the checkpoint rather
-    than inside it: the checkpoint keeps its inputs, and the 16-bit cast is half the float32
-    value's bytes. An argument or constant enters as it is (kept anyway, and a cast would
-    be a copy), and so does a value another checkpoint already keeps. The product casts its
-    operands to the compute dtype anyway, so the values are the same bits."""
+    computed (a scaled weight, a float32 activation) cast to the compute dtype before the
+    checkpoint rather than inside it: the checkpoint keeps its inputs, and the 16-bit cast
+    is half the float32 value's bytes. An argument or constant, or a transpose or reshape
+    of one, enters as it is (``inputs``: the compiled program keeps the argument, so a cast
+    would be a copy; a GPT's tied output head transposes its embedding), and so does a
+    value another checkpoint already keeps. The product casts its operands to the compute
+    dtype anyway, so the values are the same bits."""
     return [
         cast_value(x, ctx.compute_dtype)
         if not isinstance(var, _compat.Literal)
@@ -932,7 +946,7 @@ def _eval_jaxpr(
     def bind(eqn: Any, invals: list, kinds: Sequence[int]) -> Any:
         return apply_first_order(eqn, invals, kinds, ctx, uses, moved)
 
-    inputs = {*jaxpr.constvars, *jaxpr.invars}
+    inputs = _views_of_inputs(jaxpr)
     for i, (var, value) in enumerate(zip(jaxpr.constvars, consts)):
         env[var] = value
         kind_of[var] = RAW if const_kinds is None else const_kinds[i]
