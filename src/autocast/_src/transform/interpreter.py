@@ -804,13 +804,14 @@ def _narrowed_operands(eqn: Any, invals: list, ctx: Context, inputs: set) -> lis
     is half the float32 value's bytes. An argument or constant, or a transpose or reshape
     of one, enters as it is (``inputs``: the compiled program keeps the argument, so a cast
     would be a copy; a GPT's tied output head transposes its embedding), and so does a
-    value another checkpoint already keeps. The product casts its operands to the compute
-    dtype anyway, so the values are the same bits."""
+    value another checkpoint already keeps, and a broadcast not yet emitted (its first use
+    casts the small operand). The product casts its operands to the compute dtype anyway,
+    so the values are the same bits."""
     return [
         cast_value(x, ctx.compute_dtype)
         if not isinstance(var, _compat.Literal)
         and var not in inputs
-        and not isinstance(x, (recompute.Link, regions.Wide))
+        and not isinstance(x, (recompute.Link, regions.Wide, Deferred))
         and np.dtype(getattr(x, "dtype", np.bool_)) == np.float32
         and not recompute.kept_anyway(x)
         else x
