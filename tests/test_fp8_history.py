@@ -212,6 +212,70 @@ def test_a_history_of_the_same_program_scaled_by_another_constant_is_refused():
     assert float(own(own.init(x[:8], w), x, w)) == pytest.approx(float(f(x, w)), rel=0.15)
 
 
+def _gelu_model(w, x):
+    # a GELU spells 0.5, 1.0 and its tanh approximation's constants as literals, and 0.3 *
+    # x one more; the mean divides by the batch
+    return jnp.mean(jax.nn.gelu((0.3 * x) @ w) ** 2)
+
+
+def _gelu_args(rows):
+    w = jax.random.normal(jax.random.PRNGKey(4), (16, 16)) / 4
+    return w, jax.random.normal(jax.random.PRNGKey(5), (rows, 16))
+
+
+def test_a_history_made_outside_shard_map_fits_a_function_with_literals_inside_it():
+    # init runs outside shard_map; inside, each literal reaches its equation through a
+    # placement equation (pvary), which the digest skipped with the constant in it: the
+    # history was refused as "made for another program", with no way to comply
+    from jax.sharding import PartitionSpec as P
+
+    from autocast import _compat
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    w, x = _gelu_args(8)
+    delayed = autocast.amp_fp8_delayed(_gelu_model, history=H)
+    history = delayed.init(w, x)
+
+    def sharded(fn):
+        return _compat.shard_map(
+            lambda h, w, x: jax.lax.pmean(fn(h, w, x), "d"), mesh, (P(), P(), P("d")), P()
+        )
+
+    value = jax.jit(sharded(delayed))(history, w, x)
+    assert float(value) == pytest.approx(float(_gelu_model(w, x)), rel=0.15)
+    # the constants still count inside: another one is another program there too
+    other = autocast.amp_fp8_delayed(lambda w, x: _gelu_model(w, 30.0 * x), history=H)
+    with pytest.raises(ValueError, match="made for another program"):
+        jax.jit(sharded(other))(history, w, x)
+
+
+def test_a_history_made_on_a_batch_fits_a_last_batch_of_one_or_two_and_one_example():
+    # a GELU's 1.0 and 0.5 equal a size (or its reciprocal) at batches of 1 and 2, and the
+    # digest left them out there only: the history made at 32 was refused at 1 and 2
+    delayed = autocast.amp_fp8_delayed(_gelu_model, history=H)
+    w, x = _gelu_args(32)
+    history = delayed.init(w, x)
+    for rows in (1, 2, 3):
+        value = jax.jit(delayed)(history, w, x[:rows])
+        assert float(value) == pytest.approx(float(_gelu_model(w, x[:rows])), rel=0.15)
+    per_example = jax.vmap(delayed, in_axes=(None, None, 0))(history, w, x[:, None])
+    want = jax.vmap(_gelu_model, in_axes=(None, 0))(w, x[:, None])
+    np.testing.assert_allclose(per_example, want, rtol=0.15, atol=1e-3)
+
+
+def test_a_constant_changed_program_is_refused_at_every_batch_size():
+    f = lambda x, w: jnp.mean(((0.01 * x) @ w) ** 2)  # noqa: E731
+    g = lambda x, w: jnp.mean(((100.0 * x) @ w) ** 2)  # noqa: E731
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 64))
+    w = jax.random.normal(jax.random.PRNGKey(3), (64, 32))
+    from_f = autocast.amp_fp8_delayed(f).init(x, w)
+    for rows in (32, 2, 1):
+        with pytest.raises(ValueError, match="made for another program"):
+            autocast.amp_fp8_delayed(g)(from_f, x[:rows], w)
+    with pytest.raises(ValueError, match="made for another program"):
+        jax.vmap(autocast.amp_fp8_delayed(g), in_axes=(None, 0, None))(from_f, x[:, None], w)
+
+
 def test_refuses_what_does_not_fit():
     params, x = _mlp_args()
     delayed = autocast.amp_fp8_delayed(_mlp, history=H)

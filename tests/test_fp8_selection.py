@@ -98,9 +98,12 @@ def _float8_products(fn, *args):
 def test_the_weight_decides_whichever_side_the_batch_sits_on():
     # Equinox's Linear computes weight @ x per example; under vmap the batch becomes the
     # product's columns. The weight (an input reached by data movement alone) decides: a
-    # 64 -> 4 head stays in bfloat16 in both layouts and at every batch size, the 64-wide
-    # layers run in float8 at every batch size, and one example under vmap outside amp
-    # chooses as the batch does
+    # 64 -> 4 head stays in bfloat16 in both layouts and at every batch size, the second
+    # 64-wide layer runs in float8 at every batch size, and one example under vmap outside
+    # amp chooses as the batch does. The first layer multiplies two inputs, the weight and
+    # the batch, both contracted on their last dimension in Equinox's layout, which names
+    # no weight (an einsum "bi,oi->bo" is laid out alike with the weight on the right): the
+    # smaller free size decides there, so it joins float8 from a batch of 16
     w1, w2, head = (
         jax.random.normal(k, s) / 8
         for k, s in zip(jax.random.split(jax.random.key(0), 3), ((32, 64), (64, 64), (64, 4)))
@@ -120,10 +123,10 @@ def test_the_weight_decides_whichever_side_the_batch_sits_on():
         return jnp.sum(x**2)
 
     ws = (w1, w2, head)
-    for fn in (weight_first, batch_first):
+    for fn, small in ((weight_first, 1), (batch_first, 2)):
         amp = autocast.amp(fn, compute_dtype="fp8")
         counts = {b: _float8_products(amp, ws, jnp.ones((b, 32))) for b in (1, 8, 16, 64)}
-        assert set(counts.values()) == {2}, (fn.__name__, counts)
+        assert counts == {1: small, 8: small, 16: 2, 64: 2}, (fn.__name__, counts)
     per_example = jax.vmap(
         autocast.amp(lambda ws, x: batch_first(ws, x[None]), compute_dtype="fp8"),
         in_axes=(None, 0),
@@ -148,3 +151,29 @@ def test_a_history_made_on_one_batch_fits_smaller_batches():
         value = jax.jit(delayed)(history, params, jnp.ones((rows, 32)) / 4)
         want = loss(params, jnp.ones((rows, 32)) / 4)
         assert abs(float(value) - float(want)) <= 0.15 * abs(float(want))
+
+
+def test_a_layer_of_two_inputs_with_fewer_than_16_outputs_stays_out_of_float8():
+    # a first layer multiplies two of the function's inputs; its weight's outputs decide,
+    # not the batch (x (64, 32) @ w (32, 1) ran wholly in float8: the batch of 64 decided).
+    # A one-output float8 product is what a GPU computed outside float8 and overflowed
+    def share(f, *args):
+        return autocast.report(f, compute_dtype="fp8")(*args).summary["fp8_flop_share"]
+
+    f = lambda x, w: jnp.sum(x @ w)  # noqa: E731
+    assert share(f, jnp.ones((64, 32)), jnp.ones((32, 1))) == {"forward": 0.0, "backward": 0.0}
+    assert share(f, jnp.ones((64, 32)), jnp.ones((32,)))["forward"] == 0.0  # a weight vector
+    for rows in (1, 8, 64):  # a 32 -> 64 layer runs in float8 at every batch size
+        assert share(f, jnp.ones((rows, 32)), jnp.ones((32, 64))) == {
+            "forward": 1.0,
+            "backward": 1.0,
+        }
+    # both contracted on their last dimension, the layout does not name the weight (the
+    # weight is on the left in Equinox's weight @ x under vmap, on the right in an einsum):
+    # the smaller free size decides, so a one-output layer stays out either way
+    per_example = lambda w, x: jnp.sum(jax.vmap(lambda x: w @ x)(x))  # noqa: E731
+    einsum = lambda x, w: jnp.sum(jnp.einsum("bi,oi->bo", x, w))  # noqa: E731
+    assert share(per_example, jnp.ones((1, 32)), jnp.ones((64, 32)))["forward"] == 0.0
+    assert share(einsum, jnp.ones((64, 32)), jnp.ones((1, 32)))["forward"] == 0.0
+    assert share(per_example, jnp.ones((64, 32)), jnp.ones((64, 32)))["forward"] == 1.0
+    assert share(per_example, jnp.ones((64, 32)), jnp.ones((4, 32)))["forward"] == 0.0

@@ -221,60 +221,134 @@ def _cotangent(x: Any) -> Any:
 
 
 # Equations that say where a value lives, not what is computed: shard_map's tracing adds them
-# (with varying-axis annotations on the types) where the same function traced outside has none.
+# (with varying-axis annotations on the types) where the same function traced outside has none,
+# and hands each literal to its equation through one (a pvary of 0.5), so the digest reads a
+# placement's outputs as its inputs.
 _PLACEMENT = frozenset(
     {"pvary", "pbroadcast", "sharding_constraint", "mesh_cast", "reshard", "device_put"}
 )
 
+# Equations that move or convert a value without computing with it, between a sum and the
+# division that makes it a mean (jnp.mean of bfloat16 sums in float32; jnp.var keeps dims).
+_MOVES = _PLACEMENT | {"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "copy"}
 
-def _sizes(jaxpr: Any) -> set[float]:
-    """Every size the program's shapes spell: each dimension, and the product of every set
-    of an array's dimensions (a mean over some axes divides by one)."""
-    sizes: set[float] = set()
-    for eqn in equations(jaxpr):
-        for v in (*eqn.invars, *eqn.outvars):
-            shape = tuple(getattr(getattr(v, "aval", None), "shape", ()) or ())
-            if len(shape) > 8:
+
+class _Program:
+    """A traced program's equations with, for each variable, the equation that made it, so
+    that a literal is read through placements and a divisor traced back to its sum."""
+
+    def __init__(self, jaxpr: Any) -> None:
+        self.eqns = list(equations(jaxpr))
+        self.made_by = {v: e for e in self.eqns for v in e.outvars}
+
+    def source(self, v: Any, through: frozenset = _PLACEMENT) -> Any:
+        """``v`` with the equations in ``through`` (one input, one output) looked through."""
+        while not isinstance(v, _compat.Literal):
+            eqn = self.made_by.get(v)
+            if eqn is None or eqn.primitive.name not in through or len(eqn.outvars) != 1:
+                return v
+            v = eqn.invars[0]
+        return v
+
+    def reduced_sizes(self, v: Any) -> set[float]:
+        """The sizes a mean of ``v`` may divide by: every product of the axes summed by the
+        ``reduce_sum`` that ``v`` is (through data movement); none where it is no sum."""
+        eqn = self.made_by.get(self.source(v, _MOVES))
+        if eqn is None or eqn.primitive.name != "reduce_sum":
+            return set()
+        shape = tuple(eqn.invars[0].aval.shape)
+        axes = [shape[a] for a in eqn.params.get("axes", ())]
+        return {
+            float(np.prod([d for i, d in enumerate(axes) if n >> i & 1]))
+            for n in range(1, 1 << len(axes))
+        }
+
+    def literal(self, v: Any) -> Any:
+        """The literal ``v`` is, through placements and conversions (newer JAX's shard_map
+        converts each weak-typed literal after its pvary), or None where it is no literal."""
+        v = self.source(v, _PLACEMENT | {"convert_element_type"})
+        return v if isinstance(v, _compat.Literal) else None
+
+    def literal_site(self, eqn: Any, i: int) -> tuple[int, int, Any] | None:
+        """Where input ``i`` of ``eqn``, followed back through data movement, is a literal: the
+        equation (its id) and position that hold it, as the digest reads them, and the
+        literal."""
+        while True:
+            literal = self.literal(eqn.invars[i])
+            if literal is not None:
+                return id(eqn), i, literal
+            made = self.made_by.get(self.source(eqn.invars[i]))
+            if made is None or made.primitive.name not in _MOVES or len(made.outvars) != 1:
+                return None
+            eqn, i = made, 0
+
+    def divisor_sites(self) -> set[tuple[int, int]]:
+        """The literals that are a mean's divisor: ``n`` in ``s / n`` (or in ``s / (n - ddof)``,
+        jnp.var's) where ``s`` is a ``reduce_sum`` and ``n`` a product of the axes it summed.
+        The batch sets them, so they are no constant of the program; a literal elsewhere is
+        one, whatever size it equals (a GELU's 1.0 at a batch of one)."""
+        sites = set()
+        for eqn in self.eqns:
+            if eqn.primitive.name != "div" or len(eqn.invars) != 2:
                 continue
-            for n in range(1, 1 << len(shape)):
-                sizes.add(float(np.prod([d for i, d in enumerate(shape) if n >> i & 1])))
-    return sizes
+            sizes = self.reduced_sizes(eqn.invars[0])
+            if not sizes:
+                continue
+            site = self.literal_site(eqn, 1)
+            if site is None:  # n - ddof
+                divisor = self.source(eqn.invars[1], _MOVES)
+                made = None if isinstance(divisor, _compat.Literal) else self.made_by.get(divisor)
+                if made is not None and made.primitive.name == "sub":
+                    site = self.literal_site(made, 0)
+            if site is None:
+                continue
+            value = np.asarray(_compat.literal_value(site[2]))
+            if value.shape == () and np.issubdtype(value.dtype, np.floating):
+                x = float(value)
+                if any(abs(x - n) <= 1e-6 * n for n in sizes):
+                    sites.add(site[:2])
+        return sites
 
-
-def _constant(literal: Any, sizes: set[float]) -> str | None:
-    """A scalar floating literal as the program's digest spells it, or None for one that a
-    shape spells (a mean's divisor, which the batch size sets) and for any other literal."""
-    value = np.asarray(_compat.literal_value(literal))
-    if value.shape != () or not np.issubdtype(value.dtype, np.floating):
-        return None
-    x = float(value)
-    if x == 0 or not np.isfinite(x):
-        return repr(x)
-    for candidate in (abs(x), 1 / abs(x)):
-        nearest = float(np.float32(round(candidate)))
-        if nearest in sizes and abs(candidate - nearest) <= 1e-6 * nearest:
+    def constant(self, literal: Any) -> str | None:
+        """A scalar floating literal as the digest spells it; None for any other literal."""
+        value = np.asarray(_compat.literal_value(literal))
+        if value.shape != () or not np.issubdtype(value.dtype, np.floating):
             return None
-    return repr(float(np.float32(x)))
+        x = float(value)
+        return repr(x) if x == 0 or not np.isfinite(x) else repr(float(np.float32(x)))
 
 
 def program_of(traced: Any) -> str:
     """A name for the program a history belongs to: a digest of its equations in order (with
     sub-jaxprs), each as its primitive, the dtypes of its outputs and its floating scalar
     constants (``0.01 * x`` and ``100.0 * x`` are two programs, whose amaxes differ by a
-    factor of 10**4). Shapes are left out, and so are the constants the shapes spell (a
-    mean's divisor is the batch size), so the same function on another batch size, or on a
-    device's shard under ``shard_map``, is the same program; a function that differs in any
-    operation or constant is another. Constants held in arrays (closed over, not literals)
-    are left out."""
-    sizes = _sizes(traced.jaxpr)
+    factor of 10**4; a GELU's 0.5 and 1.0 are constants of its program). Shapes are left
+    out, and so is a mean's divisor, which the batch sets: a literal ``n`` in ``s / n`` (or
+    ``s / (n - ddof)``) where ``s`` is a ``reduce_sum`` and ``n`` a product of the axes it
+    summed. So the same function on another batch size, one example under ``vmap``, or a
+    device's shard under ``shard_map`` (whose placement equations, and the literals they
+    carry, are read through) is the same program; a function that differs in any operation
+    or other constant is another. Constants held in arrays (closed over, not literals) are
+    left out."""
+    program = _Program(traced.jaxpr)
+    sizes = program.divisor_sites()
     parts = []
-    for eqn in equations(traced.jaxpr):
-        if eqn.primitive.name not in _PLACEMENT:
-            constants = [_constant(v, sizes) for v in eqn.invars if isinstance(v, _compat.Literal)]
-            parts.append(
-                f"{eqn.primitive.name}{[str(v.aval.dtype) for v in eqn.outvars]}"
-                f"{[c for c in constants if c is not None]}"
-            )
+    for eqn in program.eqns:
+        if eqn.primitive.name in _PLACEMENT or (
+            eqn.primitive.name == "convert_element_type"
+            and program.literal(eqn.invars[0]) is not None
+        ):
+            continue  # read as the literal by the equation that takes it
+        constants = []
+        for i, v in enumerate(eqn.invars):
+            literal = program.literal(v)
+            if literal is None:
+                continue
+            constants.append("size" if (id(eqn), i) in sizes else program.constant(literal))
+        parts.append(
+            f"{eqn.primitive.name}{[str(v.aval.dtype) for v in eqn.outvars]}"
+            f"{[c for c in constants if c is not None]}"
+        )
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
 
 

@@ -564,16 +564,44 @@ def _weight_extent(eqn: Any, parameters: Sequence[bool]) -> int:
     an input of the function reached through data movement alone (a parameter, or its slice
     in a scan over layers) where the other is computed (an activation): ``x @ w`` and
     Equinox's per-example ``weight @ x`` decide alike. Where both or neither are (a first
-    layer, whose input is the batch; a product of two activations), the larger free size
-    decides, so that a batch of one example and a batch of many decide alike wherever a layer
-    has 16 or more outputs."""
+    layer, whose input is the batch; a product of two activations), the layout names the
+    weight (:func:`_weight_side`), and where it cannot, the smaller free size decides: never
+    the batch alone, so that a layer with fewer than 16 outputs (``x (64, 32) @ w (32, 1)``)
+    stays out of float8 at every batch size."""
     m, n, _ = _extents(eqn)
     if eqn.primitive.name != "dot_general":
         return n
     left, right = parameters[:2] if len(parameters) >= 2 else (False, False)
-    if left != right:
-        return m if left else n
-    return max(m, n)
+    side = (0 if left else 1) if left != right else _weight_side(eqn)
+    return min(m, n) if side is None else (m, n)[side]
+
+
+def _weight_side(eqn: Any) -> int | None:
+    """Which operand of a ``dot_general`` is a layer's weight, read off the layout alone
+    (0 the left, 1 the right, None where the layout does not say).
+
+    - An operand with no free dimension says nothing: a one-output head's weight vector
+      (``x @ w`` with ``w`` of shape ``(n,)``) and one example's features (``weight @ x``
+      under ``vmap`` outside ``amp``) are laid out alike.
+    - A weight is a matrix: beside an operand of more dimensions (tokens, positions), the
+      matrix.
+    - Two matrices: the one contracted on its first dimension is the weight of ``x @ w``
+      (an example's features are its last dimension). Both contracted on their last says
+      nothing: it is the product ``vmap`` makes of a per-example ``weight @ x`` (Equinox's
+      Linear, the weight on the left) and also ``jnp.einsum("bi,oi->bo", x, w)`` (the
+      weight on the right).
+    """
+    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+    shapes = [tuple(v.aval.shape) for v in eqn.invars[:2]]
+    if lb or len(lc) != 1:
+        return None
+    free = [len(s) - 1 for s in shapes]
+    if 0 in free:
+        return None
+    if free != [1, 1]:
+        return free.index(1) if 1 in free else None
+    first = [tuple(c) == (0,) for c in (lc, rc)]
+    return first.index(True) if first[0] != first[1] else None
 
 
 def _may_run_in_float8(eqn: Any, recipe: Recipe) -> bool:
