@@ -466,6 +466,8 @@ def test_states_of_another_configuration_are_refused():
     other = {**params, "w": params["w"].astype(jnp.float32)}
     with pytest.raises(ValueError, match="has a compensation of nothing"):
         ao.kahan_summation().update(grads, ao.kahan_summation().init(other), params)
+    with pytest.raises(ValueError, match=r"\['w'\] is bfloat16.*made for other parameters"):
+        ao.stochastic_rounding(0).update(grads, ao.stochastic_rounding(0).init(other), params)
 
 
 def test_the_wrong_nesting_is_refused_with_the_right_one_named():
@@ -572,3 +574,29 @@ def test_one_key_given_to_the_state_and_to_the_rounding_draws_two_streams():
         StoredKey(key, "low_precision_state").split(data)[0],
         StoredKey(key, "stochastic_rounding").split(data)[0],
     )
+
+
+@pytest.mark.parametrize(
+    "last",
+    [lambda: ao.stochastic_rounding(jax.random.key(0)), ao.kahan_summation],
+    ids=["stochastic_rounding", "kahan_summation"],
+)
+def test_a_parameter_upcast_by_an_apply_that_does_not_cast_back_is_refused_with_the_fix(last):
+    # eqx.apply_updates adds the float32 update as it is: the bfloat16 parameter came back
+    # float32 and the rounding step passed it through from then on, twice the bytes and no
+    # rounding, with no error
+    eqx = pytest.importorskip("equinox")
+    params = {"w": jnp.ones((4, 8), jnp.bfloat16), "scale": jnp.ones((), jnp.float32)}
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    tx = optax.chain(optax.adam(1e-3), last())
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    upcast = eqx.apply_updates(params, updates)
+    assert upcast["w"].dtype == F32  # what Equinox gives
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(TypeError, match=r"\['w'\] is float32.*bfloat16.*optax.apply_updates"):
+            update(grads, state, upcast)
+    # applied so that it casts back, the step goes on (the fix the message names)
+    kept = optax.apply_updates(params, updates)
+    assert kept["w"].dtype == BF16
+    tx.update(grads, state, kept)

@@ -43,6 +43,23 @@ def _check_params(params: Any, owner: str) -> None:
     )
 
 
+def _refuse_upcast(path: Any, p: Any, was: Any, owner: str) -> None:
+    """Raises a TypeError where a parameter this step rounded onto a 16-bit grid (``was``:
+    its dtype then, None where not known) came back wider: an apply that adds the float32
+    update without casting back."""
+    if is_floating_array(p) and jnp.dtype(p.dtype).itemsize > 2:
+        was = _NARROW_NAMES if was is None else str(jnp.dtype(was))
+        raise TypeError(
+            f"{owner}: parameter {jax.tree_util.keystr(tuple(path))} is {p.dtype}, and was "
+            f"{was} when the state was made: its last update was added without a "
+            f"cast back to {was} (equinox.apply_updates and a plain p + u keep the "
+            "float32 update's dtype), so it takes twice the bytes and is no longer rounded. "
+            "Apply the updates with optax.apply_updates(params, updates), which casts back; "
+            "for an Equinox model: params, static = eqx.partition(model, eqx.is_array); "
+            "model = eqx.combine(optax.apply_updates(params, updates), static)"
+        )
+
+
 def refuse_8_bit_params(params: Any, owner: str, why: str) -> None:
     """Raises a TypeError naming the first parameter in an 8-bit float dtype; ``why`` says
     what parameters are, after "parameters"."""
@@ -64,6 +81,11 @@ class StochasticRoundingState(NamedTuple):
 
     Attributes:
         key: The key's data, uint32 (shape ``(2,)`` for JAX's default threefry keys).
+        rounded: A tree of the parameters' structure: for each bfloat16 or float16
+            parameter, a scalar zero of its dtype, what ``init`` saw (so that a parameter an
+            apply turned into float32 is refused by name at the next ``update``);
+            ``optax.MaskedNode()`` for the others. None in a state made before it existed,
+            which is then not checked.
 
     Example:
         >>> import autocast.optax, jax, jax.numpy as jnp
@@ -74,6 +96,38 @@ class StochasticRoundingState(NamedTuple):
     """
 
     key: jax.Array
+    rounded: Any = None
+
+
+def _markers(params: Any) -> Any:
+    """For each 16-bit parameter a scalar zero of its dtype, ``optax.MaskedNode()`` elsewhere."""
+    return jax.tree_util.tree_map(
+        lambda p: jnp.zeros((), p.dtype) if _narrow(p) else optax.MaskedNode(), params
+    )
+
+
+def _check_rounded(rounded: Any, params: Any) -> None:
+    if rounded is None:
+        return
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    try:
+        marks = jax.tree_util.tree_structure(params).flatten_up_to(rounded)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "stochastic_rounding: the state does not have the parameters' structure (a state "
+            f"made for other parameters): {e}"
+        ) from None
+    for (path, p), mark in zip(flat, marks):
+        was = None if isinstance(mark, optax.MaskedNode) else mark.dtype
+        if was is not None and not _narrow(p):
+            _refuse_upcast(path, p, was, "stochastic_rounding")
+        if (was is None) == _narrow(p) or (was is not None and jnp.dtype(was) != p.dtype):
+            raise ValueError(
+                f"stochastic_rounding: parameter {jax.tree_util.keystr(tuple(path))} is "
+                f"{getattr(p, 'dtype', type(p).__name__)} and the state was made for "
+                f"{'a parameter it does not round' if was is None else jnp.dtype(was)}: a "
+                "state made for other parameters"
+            )
 
 
 def stochastic_rounding(key: Any) -> optax.GradientTransformation:
@@ -113,9 +167,11 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
     Raises:
         TypeError: If ``key`` is None or not a key or an int; from ``init`` and ``update``,
             if a parameter is an 8-bit float; from ``update``, if ``state`` is not a
-            :class:`StochasticRoundingState`.
+            :class:`StochasticRoundingState`, or a parameter that was 16-bit at ``init``
+            is now wider (applied by ``equinox.apply_updates``, which does not cast back).
         ValueError: If ``key`` is an array of several keys; from ``update``, if ``params``
-            is None, or the state's key is of another kind than ``key``.
+            is None, the state's key is of another kind than ``key``, or the state was
+            made for other parameters.
 
     Example:
         >>> import autocast.optax, jax, jax.numpy as jnp, optax
@@ -133,7 +189,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
 
     def init(params: Any) -> StochasticRoundingState:
         _check_params(params, "stochastic_rounding")
-        return StochasticRoundingState(jnp.asarray(stored.data))
+        return StochasticRoundingState(jnp.asarray(stored.data), _markers(params))
 
     def update(
         updates: Any, state: StochasticRoundingState, params: Any = None
@@ -144,6 +200,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
                 f"{type(state).__name__}: a state from another transformation"
             )
         _check_params(params, "stochastic_rounding")
+        _check_rounded(state.rounded, params)
         following, now = stored.split(state.key)
         narrow = [p for p in jax.tree_util.tree_leaves(params) if _narrow(p)]
         seeds = _bits.seeds(now, max(len(narrow), 1))
@@ -158,7 +215,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
             return rounding.landing_update(r, p)[1]
 
         out = jax.tree_util.tree_map(one, updates, params, is_leaf=lambda x: x is None)
-        return out, StochasticRoundingState(following)
+        return out, StochasticRoundingState(following, state.rounded)
 
     return optax.GradientTransformation(init, update)
 
@@ -212,7 +269,8 @@ def kahan_summation(dtype: Any = None) -> optax.GradientTransformation:
     Raises:
         TypeError: If ``dtype`` is not one of those; from ``init`` and ``update``, if a
             parameter is an 8-bit float; from ``update``, if ``state`` is not a
-            :class:`KahanState`.
+            :class:`KahanState`, or a parameter that was 16-bit at ``init`` is now wider
+            (applied by ``equinox.apply_updates``, which does not cast back).
         ValueError: From ``update``: if ``params`` is None, or the state's compensation does
             not match the parameters (a state made for other parameters or another dtype).
 
@@ -289,8 +347,12 @@ def _check_compensation(comp: Any, params: Any, comp_dtype: Any) -> None:
             "kahan_summation: the state's compensation does not have the parameters' "
             f"structure (a state made for other parameters): {e}"
         ) from None
-    for p, c in zip(jax.tree_util.tree_leaves(params), flat):
+    for (path, p), c in zip(jax.tree_util.tree_flatten_with_path(params)[0], flat):
         want = _narrow(p)
+        if not want and not masked(c):
+            # the compensation is in the parameter's dtype unless one was given
+            was = c.dtype if jnp.dtype(c.dtype) in rounding.PARAMETER_DTYPES else None
+            _refuse_upcast(path, p, was, "kahan_summation")
         if want != (not masked(c)) or (
             want and (c.shape != p.shape or jnp.dtype(c.dtype) != jnp.dtype(comp_dtype(p)))
         ):
