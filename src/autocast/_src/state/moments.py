@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -258,7 +259,7 @@ def low_precision_state(
         inner_state = inner.init(_to_float32(params))
         _refuse_inside(inner_state)
         return LowPrecisionState(
-            encode(inner_state, None, params),
+            _unwrap_blocks(encode(inner_state, None, params)),
             None if stored_key is None else jnp.asarray(stored_key.data),
         )
 
@@ -286,6 +287,36 @@ def low_precision_state(
         return new_updates, LowPrecisionState(encode(inner_state, draw, updates), following)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _variable_types() -> tuple[type, ...]:
+    """Flax NNX's variable type, where Flax is imported (never imported here). Flax 0.10
+    hands ``init`` its ``VariableState``s, which its optimizer writes back whole: they stay."""
+    variable = vars(sys.modules["flax.nnx"]).get("Variable") if "flax.nnx" in sys.modules else None
+    return () if variable is None else (variable,)
+
+
+def _unwrap_blocks(state: Any) -> Any:
+    """``state`` with each :class:`BlockScaled` taken out of the NNX variable around it.
+
+    Given an NNX module's parameters, ``init`` mirrors their ``nnx.Param`` variables in the
+    moments, and an 8-bit moment is then a variable whose value is a :class:`BlockScaled`.
+    ``nnx.Optimizer`` writes each new state back with ``nnx.update``, which sets such a
+    variable's value to a plain mapping of the codes and scales, and the container (its
+    size and root) is lost. Outside a variable, the container stays and only its arrays are
+    wrapped and written back. A 16-bit moment keeps its variable (and its sharding
+    metadata); an 8-bit one has another shape than its parameter anyway."""
+    kinds = _variable_types()
+    if not kinds:
+        return state
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, kinds):
+            return x
+        value = x.get_value() if hasattr(x, "get_value") else x.value
+        return value if isinstance(value, blocks.BlockScaled) else x
+
+    return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, kinds))
 
 
 def _stored(x: jax.Array, dtype: Any, block_size: int, root: bool, seed: Any) -> Any:
