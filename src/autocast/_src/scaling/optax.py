@@ -27,7 +27,11 @@ from autocast._src.scaling.core import (
 )
 from autocast._src.scaling.jaxamp import DynamicScalerState
 from autocast._src.scaling.jmp import DynamicLossScale, LossScale
+from autocast._src.state import order
+from autocast._src.state.params import KahanState, StochasticRoundingState
 from autocast._src.tree import is_array, is_inexact_dtype, map_floating
+
+_ROUNDING_STEPS = {StochasticRoundingState: "stochastic_rounding", KahanState: "kahan_summation"}
 
 # Marks the update function of every transformation dynamic_loss_scaling builds, so that
 # wrapping one in another (which would unscale the gradients twice) is refused at once.
@@ -162,6 +166,7 @@ def dynamic_loss_scaling(
     def init(params: Any) -> LossScalingState:
         _refuse_inside_accumulation()
         inner_state = skipping.init(params)
+        order.check_chain(inner_state, params, "dynamic_loss_scaling", _ROUNDING_STEPS)
         if _states_in(inner_state):
             raise TypeError(
                 "dynamic_loss_scaling was given an optimizer that already contains "

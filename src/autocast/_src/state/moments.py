@@ -13,7 +13,7 @@ import optax
 
 from autocast._src.scaling.optax import LossScalingState
 from autocast._src.state import bits as _bits
-from autocast._src.state import blocks, rounding
+from autocast._src.state import blocks, order, rounding
 from autocast._src.state.keys import StoredKey
 from autocast._src.state.params import KahanState, StochasticRoundingState, refuse_8_bit_params
 from autocast._src.tree import is_floating_array, map_floating
@@ -280,6 +280,7 @@ def low_precision_state(
                 + ": a state from another configuration"
             )
         refuse_8_bit_params(params, "low_precision_state", _PARAMETERS)
+        order.warn_if_unrounded(params, "low_precision_state")
         new_updates, inner_state = inner.update(
             _to_float32(updates), decode(state.inner), _to_float32(params), **extra_args
         )

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from autocast._src.state import bits as _bits
-from autocast._src.state import rounding
+from autocast._src.state import order, rounding
 from autocast._src.state.keys import StoredKey
 from autocast._src.tree import is_floating_array
 
@@ -189,6 +189,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
 
     def init(params: Any) -> StochasticRoundingState:
         _check_params(params, "stochastic_rounding")
+        order.note_rounding(params)
         return StochasticRoundingState(jnp.asarray(stored.data), _markers(params))
 
     def update(
@@ -301,6 +302,7 @@ def kahan_summation(dtype: Any = None) -> optax.GradientTransformation:
 
     def init(params: Any) -> KahanState:
         _check_params(params, "kahan_summation")
+        order.note_rounding(params)
         return KahanState(
             jax.tree_util.tree_map(
                 lambda p: jnp.zeros(p.shape, comp_dtype(p)) if _narrow(p) else optax.MaskedNode(),
