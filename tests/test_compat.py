@@ -13,6 +13,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import bind_closed_call, eqns_named
 from jax import lax
 
@@ -145,3 +146,115 @@ def test_zero_cotangents_reach_a_rule_as_symbolic_zeros_where_the_pullback_takes
     (ct,) = pullback((zeros, jnp.ones(3)))
     np.testing.assert_array_equal(ct, 3.0)
     assert seen[-1] == (False, False)
+
+
+# --- hijax operations (JAX 0.10 on) --------------------------------------------------------------
+
+
+def _hijax_ops():
+    """Two operations of a user's, written with ``jax.experimental.hijax``: ``Cube`` carries
+    nothing, ``Holder`` jaxprs in a list and in another operation."""
+    hijax = pytest.importorskip("jax.experimental.hijax")
+    base = getattr(hijax, "HiPrim", None) or hijax.VJPHiPrimitive
+
+    class Cube(base):
+        def __init__(self, aval):
+            self.in_avals, self.out_aval, self.params = (aval,), aval, {}
+            super().__init__()
+
+        def expand(self, x):
+            return x * x * x
+
+    class Holder(base):
+        def __init__(self, parts, inner, aval):
+            self.in_avals, self.out_aval = (aval,), aval
+            self.params = {"parts": parts, "inner": inner}
+            super().__init__()
+
+        def expand(self, x):
+            return x
+
+    return Cube, Holder
+
+
+def test_hijax_equations_are_named_their_jaxprs_found_and_retyped_only_as_marks():
+    cube, holder = _hijax_ops()
+    x = jnp.ones((2,), jnp.float32)
+    closed = jax.make_jaxpr(jnp.sin)(x)
+    inner = holder([], None, jax.typeof(x))
+    fn = lambda x: holder([closed, closed], inner, jax.typeof(x))(cube(jax.typeof(x))(x))  # noqa: E731
+    c, h = jax.make_jaxpr(fn)(x).eqns
+    assert (_compat.hijax_name(c), _compat.equation_name(c)) == ("Cube", "Cube")
+    assert _compat.hijax_name(closed.eqns[0]) is None
+    assert _compat.equation_name(closed.eqns[0]) == "sin"
+    assert _compat.hijax_jaxprs(c) == [] and len(_compat.hijax_jaxprs(h)) == 2
+    assert len(list(_compat.sub_jaxprs(h))) == 2 and _compat.called_jaxpr(h) is None
+    assert _compat.checkpoint_name_primitive(c) is None
+    # bound again on the recorded types; on others only a checkpoint_name mark is re-made
+    assert _compat.bind_equation(c, [x], c.params)[0].dtype == np.float32
+    with pytest.raises(TypeError, match="hijax operation Cube.*bfloat16.*amp_stop"):
+        _compat.bind_equation(c, [x.astype(jnp.bfloat16)], c.params)
+
+
+def test_a_remat3_checkpoint_is_read_as_a_call_and_its_marks_as_names():
+    if not hasattr(jax.config, "jax_remat3"):
+        pytest.skip(f"JAX {jax.__version__} has no jax_remat3")
+    from jax.ad_checkpoint import checkpoint_name
+
+    assert _compat.trace_context() == _compat.trace_context()
+    before = _compat.trace_context()
+    jax.config.update("jax_remat3", True)
+    try:
+        assert _compat.trace_context() != before  # a trace made under one is not the other's
+        x = jnp.ones((2,), jnp.float32)
+        fn = jax.checkpoint(lambda x: checkpoint_name(jnp.sin(x), "s"))
+        (remat,) = jax.make_jaxpr(fn)(x).eqns
+        assert _compat.hijax_name(remat) == "RematTraced"
+        jaxpr, consts = _compat.called_jaxpr(remat)
+        np.testing.assert_allclose(jax.core.eval_jaxpr(jaxpr, consts, x)[0], jnp.sin(x))
+        (mark,) = [e for e in jaxpr.eqns if _compat.hijax_name(e) == "CheckpointName"]
+        assert _compat.checkpoint_name_primitive(mark).name == "name"
+        retyped = jax.make_jaxpr(lambda y: _compat.bind_equation(mark, [y], mark.params))(
+            x.astype(jnp.bfloat16)
+        )
+        (eqn,) = retyped.eqns
+        assert eqn.invars[0].aval.dtype == jnp.bfloat16 == eqn.outvars[0].aval.dtype
+    finally:
+        jax.config.update("jax_remat3", False)
+
+
+def test_what_a_custom_vjp3_function_holds_beyond_its_rules():
+    # a stand-in of the hijax equation, as JAX 0.12's CustomVJPTraced records its rules
+    def eqn(**params):
+        prim = types.SimpleNamespace(params={"remat_rules": None, "bwd_accums": None, **params})
+        return types.SimpleNamespace(
+            primitive=types.SimpleNamespace(name="call_hi_primitive"), params={"_prim": prim}
+        )
+
+    assert _compat.custom_call_rules_kept(eqn()) is None
+    assert "defremat" in _compat.custom_call_rules_kept(eqn(remat_rules=(1, 2, 3)))
+    assert "with_accums" in _compat.custom_call_rules_kept(eqn(bwd_accums=len))
+    classic = types.SimpleNamespace(
+        primitive=types.SimpleNamespace(name="custom_vjp_call"), params={"num_consts": 2}
+    )
+    assert _compat.custom_call_rules_kept(classic) is None
+    assert _compat.custom_vjp3_consts(classic) == 2
+    assert _compat.custom_vjp_takes_symbolic_zeros()  # without jax_custom_vjp3, always
+    if not hasattr(jax.config, "jax_custom_vjp3"):
+        return
+    jax.config.update("jax_custom_vjp3", True)
+    try:
+        # JAX 0.10's CustomVJPTraced has no JVP rule with symbolic zeros; 0.11's has
+        assert _compat.custom_vjp_takes_symbolic_zeros() == (jax.__version_info__ >= (0, 11))
+        z = jnp.ones((2,), jnp.float32)
+        f = jax.custom_vjp(lambda x: x * z)  # closes over z, which 0.11 on pass as an input
+        f.defvjp(lambda x: (x * z, None), lambda _, g: (g * z,))
+        (call,) = jax.make_jaxpr(f)(z).eqns
+        assert _compat.hijax_name(call) == "CustomVJPTraced"
+        assert _compat.custom_vjp3_consts(call) == len(call.invars) - 1
+        primal = _compat.custom_call_jaxpr(call)
+        np.testing.assert_allclose(
+            jax.core.eval_jaxpr(primal.jaxpr, primal.consts, *[z] * len(call.invars))[0], z * z
+        )
+    finally:
+        jax.config.update("jax_custom_vjp3", False)

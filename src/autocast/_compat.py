@@ -78,8 +78,13 @@ def bind_equation(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> An
     """Binds ``eqn``'s primitive on ``invals`` with ``params``, as ``jax.core.eval_jaxpr`` would.
 
     ``get_bind_params`` turns stored sub-jaxprs back into the callables some primitives bind
-    with; it returned ``(subfuns, params)`` up to JAX 0.6 and one dict since.
+    with; it returned ``(subfuns, params)`` up to JAX 0.6 and one dict since. A hijax
+    equation's object is typed for its recorded inputs (see :func:`hijax_name`): a
+    ``checkpoint_name`` mark is made again for the type its input has now, any other is
+    bound only on inputs of the recorded types.
     """
+    if hijax_name(eqn) is not None:
+        return _bind_hijax(eqn, invals, params)
     bind_params = eqn.primitive.get_bind_params(params)
     if isinstance(bind_params, tuple):
         subfuns, bind_params = bind_params
@@ -214,7 +219,11 @@ def constants_unbound(closed: Any) -> Any | None:
 
 
 def custom_call_jaxpr(eqn: Any) -> ClosedJaxpr:
-    """The primal jaxpr of a ``custom_jvp_call`` or ``custom_vjp_call`` equation."""
+    """The primal jaxpr of a ``custom_jvp_call`` or ``custom_vjp_call`` equation, or of the
+    ``CustomJVPTraced`` / ``CustomVJPTraced`` that ``jax_custom_jvp3`` / ``jax_custom_vjp3``
+    bind instead (traced from the operation: it keeps its primal as a function)."""
+    if hijax_name(eqn) is not None:
+        return hijax_expansion(eqn)
     return eqn.params["call_jaxpr"]
 
 
@@ -278,8 +287,10 @@ def retype_scalar_computation(
 
 
 def sub_jaxprs(eqn: Any) -> Iterator[Any]:
-    """The open jaxprs an equation carries (closed ones are opened), for walking a program."""
-    for value in eqn.params.values():
+    """The open jaxprs an equation carries (closed ones are opened), for walking a program:
+    a hijax operation's too (:func:`hijax_jaxprs`)."""
+    values = list(eqn.params.values()) if hijax_name(eqn) is None else hijax_jaxprs(eqn)
+    for value in values:
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(v, ClosedJaxpr):
                 yield v.jaxpr
@@ -459,6 +470,199 @@ def bind_checkpoint(
     return out
 
 
+# --- hijax: JAX's primitives written as Python objects (JAX 0.10 on) ---------------------------
+#
+# From JAX 0.10, some of JAX's own operations are objects of a class (``RematTraced`` for
+# ``jax.checkpoint`` under ``jax_remat3``, ``CheckpointName``, ``Scan3`` under ``jax_scan3``,
+# ``CustomVJPTraced`` under ``jax_custom_vjp3``, ``CustomRoot``, ``Ldexp``...), all bound by
+# one primitive, ``call_hi_primitive``, whose only parameter ``_prim`` is the object. The
+# object carries the operation's parameters and, for a higher-order one, its jaxprs, where
+# no walk of the equation's parameters finds them; so amp names such an equation by the
+# object's class and reads its jaxprs here.
+
+HIJAX_CALL = "call_hi_primitive"
+
+
+def hijax_name(eqn: Any) -> str | None:
+    """The class name of a hijax equation's operation (``"RematTraced"``...); None for an
+    equation of an ordinary primitive."""
+    if eqn.primitive.name != HIJAX_CALL:
+        return None
+    return type(eqn.params["_prim"]).__name__
+
+
+def equation_name(eqn: Any) -> str:
+    """What amp calls ``eqn``'s operation: the primitive's name, or a hijax operation's class
+    name."""
+    return hijax_name(eqn) or eqn.primitive.name
+
+
+def _hijax_params(eqn: Any) -> dict[str, Any]:
+    return dict(getattr(eqn.params["_prim"], "params", None) or {})
+
+
+def _jaxprs_in(value: Any) -> Iterator[Any]:
+    """The jaxprs (closed or open) held by a hijax operation's parameter: directly, in a
+    tuple or list, in a traced function (``jax.jit(f).trace(...)``) or in another hijax
+    operation."""
+    if isinstance(value, (Jaxpr, ClosedJaxpr)):
+        yield value
+    elif type(value) in (tuple, list):
+        for v in value:
+            yield from _jaxprs_in(v)
+    elif hasattr(value, "in_avals_flat") and isinstance(getattr(value, "params", None), dict):
+        for v in value.params.values():
+            yield from _jaxprs_in(v)
+    elif type(value).__name__ == "Traced" and hasattr(value, "jaxpr"):
+        yield value.jaxpr
+
+
+def hijax_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs a hijax equation's operation carries (none for a first-order one)."""
+    return [j for v in _hijax_params(eqn).values() for j in _jaxprs_in(v)]
+
+
+def _bind_hijax(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> Any:
+    prim = params["_prim"]
+    recorded = [v.aval for v in eqn.invars]
+    now = [aval_of(x) for x in invals]
+    same = all(
+        a.shape == b.shape and a.dtype == b.dtype for a, b in zip(recorded, now, strict=True)
+    )
+    if not same and type(prim).__name__ == "CheckpointName":
+        (x,) = invals
+        return [type(prim)(_hijax_params(eqn)["name"], now[0])(x)]
+    if not same:
+        raise TypeError(
+            f"amp cannot bind the hijax operation {type(prim).__name__} on inputs of types "
+            f"{[a.str_short() for a in now]}: it was recorded for "
+            f"{[a.str_short() for a in recorded]} and cannot be re-typed. Give it an "
+            "original-precision rule, or run it under autocast.amp_stop()."
+        )
+    return eqn.primitive.bind(*invals, **params)
+
+
+def checkpoint_name_primitive(eqn: Any) -> Primitive | None:
+    """The primitive ``checkpoint_name`` binds without ``jax_remat3`` (``name``), for a
+    ``CheckpointName`` equation, which the policy then decides as that primitive; None for
+    any other equation."""
+    if hijax_name(eqn) != "CheckpointName":
+        return None
+    return primitive_by_name("name")
+
+
+def remat3_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]]:
+    """``(open jaxpr, constants)`` of a ``jax.checkpoint`` under ``jax_remat3`` (a
+    ``RematTraced`` equation), evaluated on the equation's inputs."""
+    sub = _hijax_params(eqn)["jaxpr"]  # closed (from JAX 0.11 every jaxpr is)
+    return sub.jaxpr, sub.consts
+
+
+def bind_remat3(eqn: Any, traced: Any, args: Sequence[Any], extra: Sequence[Any] = ()) -> list:
+    """``eqn``'s ``jax.checkpoint`` (a ``RematTraced`` equation) bound again with the same
+    policy and ``prevent_cse``, its body now the closed jaxpr ``traced``, on ``args`` (one
+    per recorded input) and ``extra`` (amp's float8 histories). The body's constants become
+    leading inputs; neither they nor ``extra`` are covered by a ``prevent_cse`` of the
+    user's, given per input."""
+    prim = eqn.params["_prim"]
+    params = _hijax_params(eqn)
+    body, consts = open_jaxpr(traced)
+    if ClosedJaxpr is not Jaxpr:  # up to JAX 0.10 RematTraced takes a closed jaxpr
+        body = ClosedJaxpr(body, [])
+    kwargs = {}
+    if "prevent_cse" in params:  # JAX 0.11 on: a flag, or one per input
+        cse = params["prevent_cse"]
+        if not isinstance(cse, bool):
+            cse = (False,) * len(consts) + tuple(cse) + (False,) * len(extra)
+        kwargs["prevent_cse"] = cse
+    return list(type(prim)(body, params["policy"], **kwargs)(*consts, *args, *extra))
+
+
+def custom_vjp3_consts(eqn: Any) -> int:
+    """How many leading inputs of a ``jax.custom_vjp`` equation are not its arguments but
+    values its function closed over: ``num_consts`` of a ``custom_vjp_call``; for the
+    ``CustomVJPTraced`` of ``jax_custom_vjp3`` from JAX 0.11 on, the closure and the forward
+    rule's extra inputs (0.10 refuses a closure over traced values)."""
+    if hijax_name(eqn) is None:
+        return eqn.params.get("num_consts", 0)
+    prim = eqn.params["_prim"]
+    if not hasattr(type(prim), "drop_fwd_consts"):
+        return 0
+    return sum(c.num_leaves for c in prim.in_tree.children()[:2])
+
+
+def custom_vjp_takes_symbolic_zeros() -> bool:
+    """Whether a ``jax.custom_vjp`` made now may ask for symbolic zeros and still be
+    differentiated forward (as a classic ``jax.checkpoint`` does its body): not under
+    ``jax_custom_vjp3`` on JAX 0.10, whose ``CustomVJPTraced`` has no JVP with them."""
+    if not getattr(jax.config, "jax_custom_vjp3", False):
+        return True
+    from jax._src import hijax
+
+    return hasattr(hijax.CustomVJPTraced, "drop_fwd_consts")
+
+
+def custom_call_rules_kept(eqn: Any) -> str | None:
+    """What of a ``CustomVJPTraced`` amp cannot carry into the ``jax.custom_vjp`` it binds in
+    its place (rules it keeps as given, not as fwd and bwd); None when nothing (and for a
+    ``custom_vjp_call``, which has no others)."""
+    if hijax_name(eqn) is None:
+        return None
+    params = _hijax_params(eqn)
+    if params.get("remat_rules") is not None:
+        return "rematerialisation rules (custom_vjp.defremat, custom_gradient(remat=True))"
+    if params.get("bwd_accums") is not None:
+        return "accumulating backward rule (custom_vjp.defvjp_with_accums)"
+    return None
+
+
+def hijax_expansion(eqn: Any) -> ClosedJaxpr:
+    """What a hijax equation computes, as JAX would lower it (``expand``), as a closed jaxpr
+    over the equation's inputs: a ``CustomVJPTraced``'s primal function."""
+    prim = eqn.params["_prim"]
+
+    def expanded(*flat: Any) -> list[Any]:
+        out = prim.expand(*jax.tree_util.tree_unflatten(prim.in_tree, flat))
+        return jax.tree_util.tree_leaves(out)
+
+    return jax.make_jaxpr(expanded)(
+        *(
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+            for v in eqn.invars
+        )
+    )
+
+
+def scan3_layout(eqn: Any) -> tuple[Jaxpr, Sequence[Any], list[bool], dict[str, Any]]:
+    """A ``lax.scan`` under ``jax_scan3`` (a ``Scan3`` equation): its body as an open jaxpr and
+    constants, which of its inputs are sliced per iteration, and ``length``, ``reverse`` and
+    ``unroll``. Its carries are ``Ref``s the body reads and writes; its outputs the stacked
+    per-iteration results."""
+    params = _hijax_params(eqn)
+    sub = params["jaxpr"]  # closed, as RematTraced's
+    body, consts = sub.jaxpr, sub.consts
+    loop = {k: params[k] for k in ("length", "reverse", "unroll")}
+    return body, consts, list(params["extensives"]), loop
+
+
+def bind_scan3(body: Any, sliced: Sequence[Any], length: int, reverse: bool, unroll: Any) -> Any:
+    """``lax.scan`` as ``jax_scan3`` binds it (a ``Scan3``), of ``body(slices)`` over the
+    leading axis of ``sliced``; what ``body`` closes over (the carries' ``Ref``s among it)
+    becomes the scan's constants. Its stacked outputs."""
+    from jax._src.lax.control_flow.loops import scan_nocarry
+
+    return scan_nocarry(body, list(sliced), length=length, reverse=reverse, unroll=unroll)
+
+
+def trace_context() -> Any:
+    """The JAX settings a trace depends on (``jax_enable_x64``, the ``jax_*3`` options, the
+    mesh in context...), hashable: what ``jax.jit`` adds to its cache's key, so that a trace
+    made under other settings is not reused."""
+    from jax._src import config
+
+    return config.trace_context()
+
+
 def is_transposed(source_info: Any) -> bool:
     """Whether an equation with this source information was made by transposition (it
     belongs to a backward pass). Read off the name stack's items: JAX 0.6 leaves transforms
@@ -484,7 +688,9 @@ _CALLED_JAXPR = {
 
 def called_jaxpr(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
     """``(jaxpr, consts)`` of a call equation, evaluated on the equation's inputs to give its
-    outputs; None for any other equation."""
+    outputs; None for any other equation. A ``jax.checkpoint`` under ``jax_remat3`` is one."""
+    if hijax_name(eqn) == "RematTraced":
+        return remat3_body(eqn)
     key = _CALLED_JAXPR.get(eqn.primitive.name)
     if key is None:
         return None

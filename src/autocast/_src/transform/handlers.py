@@ -20,6 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from autocast import _compat
 from autocast._src.policy.casting import cast_value, castable
+from autocast._src.policy.precision import use_original_precision
 from autocast._src.transform import interpreter
 from autocast._src.transform.closures import traced_call
 from autocast._src.transform.interpreter import SPREAD, STRONG, Context, eval_jaxpr
@@ -92,14 +93,15 @@ def _inline_call(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> 
     return eval_jaxpr(jaxpr, consts, invals, ctx.enter(eqn, in_place=True), kinds)
 
 
-def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
-    """``jax.checkpoint``: the same ``policy`` object, ``prevent_cse`` and ``differentiated``
-    flag, so ``checkpoint_name`` marks inside still decide what is saved.
+def _checkpoint_body(
+    eqn: Any, jaxpr: Any, consts: Sequence[Any], invals: list, kinds: Sequence[int], ctx: Context
+) -> tuple[Any, list, list]:
+    """A checkpoint's body re-traced under the policy: the closed jaxpr, the float8
+    histories it takes after its inputs, and the inputs as they enter.
 
     A checkpoint's inputs are what the backward pass keeps. A SPREAD one (the embedding that
     starts a residual stream) enters in the compute dtype, as the stream it starts is 16-bit
     from the first block on; other inputs, constants included, enter as they are."""
-    jaxpr = eqn.params["jaxpr"]
     invals = [
         cast_value(x, ctx.compute_dtype) if k == SPREAD and castable(x, v.aval.dtype) else x
         for x, k, v in zip(invals, kinds, eqn.invars)
@@ -108,12 +110,28 @@ def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequen
     inner = dataclasses.replace(ctx.enter(eqn), recompute=False)
     plan = dict(specs=[spec_of(x) for x in invals], kinds=kinds, literals=literals_of(invals))
     # a checkpointed layer's float8 products take their histories as inputs of the checkpoint
-    with_histories = _retrace_with_histories(ctx, inner, jaxpr, (), plan, tuple)
-    traced, rows = with_histories or (retrace(jaxpr, (), ctx=inner, **plan), [])
+    with_histories = _retrace_with_histories(ctx, inner, jaxpr, consts, plan, tuple)
+    traced, rows = with_histories or (retrace(jaxpr, consts, ctx=inner, **plan), [])
+    return traced, rows, invals
+
+
+def _remat(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``jax.checkpoint``: the same ``policy`` object, ``prevent_cse`` and ``differentiated``
+    flag, so ``checkpoint_name`` marks inside still decide what is saved."""
+    traced, rows, invals = _checkpoint_body(eqn, eqn.params["jaxpr"], (), invals, kinds, ctx)
     open_jaxpr, consts = _compat.open_jaxpr(traced)
     return _compat.bind_equation(
         eqn, [*consts, *invals, *rows], {**eqn.params, "jaxpr": open_jaxpr}
     )
+
+
+def _remat3(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``jax.checkpoint`` under ``jax_remat3`` (a ``RematTraced``): as :func:`_remat`, bound
+    again as a ``RematTraced`` with the same ``policy`` and ``prevent_cse``; the
+    ``checkpoint_name`` marks inside keep their names (``CheckpointName``)."""
+    jaxpr, consts = _compat.remat3_body(eqn)
+    traced, rows, invals = _checkpoint_body(eqn, jaxpr, consts, invals, kinds, ctx)
+    return _compat.bind_remat3(eqn, traced, invals, rows)
 
 
 # --- control flow -----------------------------------------------------------------------------
@@ -390,7 +408,7 @@ def _custom_jvp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     both run under the policy, and the custom rule is still what differentiation uses. Which
     inputs are perturbed is passed on, so a rule that asks for symbolic zeros gets them."""
     inner = ctx.enter(eqn)
-    primal = retrace_closed(_compat.custom_call_jaxpr(eqn), invals, kinds, inner)
+    primal = retrace_closed(_primal_jaxpr(eqn), invals, kinds, inner)
     out_dtypes = [a.dtype for a in primal.out_avals]
 
     @jax.custom_jvp
@@ -426,7 +444,7 @@ def _custom_vjp_fwd_jaxpr(eqn: Any, perturbed: tuple[bool, ...]) -> tuple[Any, A
     ``num_consts`` inputs are values the function closed over: never differentiated.
     Unperturbed arguments enter as constants, so the user's forward rule sees them
     unperturbed, as it would without amp."""
-    n_consts = eqn.params.get("num_consts", 0)
+    n_consts = _compat.custom_vjp3_consts(eqn)
     store: dict[str, Any] = {}
 
     def fwd(*inputs: Any) -> tuple[list, list]:
@@ -465,17 +483,33 @@ def _custom_vjp_bwd_jaxpr(eqn: Any, perturbed: tuple[bool, ...], zero_cts: tuple
     return jax.make_jaxpr(bwd)(res_shapes, ct_specs)
 
 
+# The primal of a custom-derivative equation, traced once: a ``custom_*_call`` records it, a
+# hijax one (``jax_custom_vjp3``, ``jax_custom_jvp3``) is traced from its operation.
+_primal_jaxpr = _once_per_equation(_compat.custom_call_jaxpr)
+
+
 def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
     """``jax.custom_vjp`` functions: the primal, the user's forward rule and the user's
     backward rule all run under the policy; cotangents come back in the dtypes the inputs
     arrived in, and the custom rules are still what differentiation uses. Which arguments are
     perturbed is passed on to the user's rules (Equinox's ``filter_custom_vjp`` checks it).
     Values the function closed over stay closed over, so differentiating with respect to
-    them is the same error it is without amp."""
+    them is the same error it is without amp. Under ``jax_custom_vjp3`` (a
+    ``CustomVJPTraced``) the same, but for rules other than fwd and bwd, which amp cannot
+    carry: those are refused."""
+    kept = _compat.custom_call_rules_kept(eqn)
+    if kept is not None:
+        if interpreter.decide_by_scope(eqn, ctx) is use_original_precision:
+            return _bind_in_original_precision(eqn, invals, kinds, ctx)
+        raise NotImplementedError(
+            f"amp cannot keep the {kept} of a jax.custom_vjp function: it binds the function "
+            "again with forward and backward rules that run under its policy. Wrap the call in "
+            "autocast.amp_stop() to run it untouched in original precision."
+        )
     inner = ctx.enter(eqn)
-    primal = retrace_closed(_compat.custom_call_jaxpr(eqn), invals, kinds, inner)
+    primal = retrace_closed(_primal_jaxpr(eqn), invals, kinds, inner)
     out_dtypes = [a.dtype for a in primal.out_avals]
-    n_consts = eqn.params.get("num_consts", 0)
+    n_consts = _compat.custom_vjp3_consts(eqn)
     consts, args = invals[:n_consts], invals[n_consts:]
     diff = [is_inexact_dtype(v.aval.dtype) for v in eqn.invars[n_consts:]]
     # The pattern the forward rule was traced for, read back by the backward rule.
@@ -485,13 +519,15 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
     def fn(*args: Any) -> list[Any]:
         return jax.core.eval_jaxpr(primal.jaxpr, primal.consts, *consts, *args)
 
+    # where the rule cannot take symbolic zeros, every argument counts as perturbed
+    symbolic = _compat.custom_vjp_takes_symbolic_zeros()
+
     def fn_fwd(*wrapped: Any) -> tuple[list, list]:
-        perturbed = tuple(w.perturbed and d for w, d in zip(wrapped, diff))
+        perturbed = tuple(getattr(w, "perturbed", True) and d for w, d in zip(wrapped, diff))
         pattern.append(perturbed)
         fwd_jaxpr, _, res_shapes = _custom_vjp_fwd_jaxpr(eqn, perturbed)
-        flat = eval_jaxpr(
-            fwd_jaxpr.jaxpr, fwd_jaxpr.consts, [*consts, *[w.value for w in wrapped]], inner
-        )
+        values = [w.value for w in wrapped] if symbolic else list(wrapped)
+        flat = eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, [*consts, *values], inner)
         n_out = len(flat) - len(res_shapes)
         outs, residuals = flat[:n_out], flat[n_out:]
         return [cast_value(x, d) for x, d in zip(outs, out_dtypes)], residuals
@@ -504,7 +540,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> S
         cts = iter(eval_jaxpr(bwd_jaxpr.jaxpr, bwd_jaxpr.consts, [*residuals, *given], inner))
         return tuple(cast_value(next(cts), x.dtype) if p else None for x, p in zip(args, perturbed))
 
-    fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
+    fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=symbolic)
     return fn(*args)
 
 
@@ -599,6 +635,25 @@ def _pmap(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequenc
     )
 
 
+def _scan3(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
+    """``lax.scan`` under ``jax_scan3`` (a ``Scan3``): the body runs under the policy, bound
+    again as a ``Scan3``. Its carries are ``Ref``s, which keep the dtype they were made
+    with (a value written to one is cast to it, as any write to a ``Ref`` is); the stacked
+    outputs take the dtypes the body gives them. JAX 0.10 to 0.12 cannot differentiate a
+    ``Scan3``, with or without amp."""
+    body, consts, extensive, loop = _compat.scan3_layout(eqn)
+    inner = ctx.enter(eqn)
+    fixed = [x for x, e in zip(invals, extensive) if not e]
+    sliced = [x for x, e in zip(invals, extensive) if e]
+
+    def step(slices: Sequence[Any]) -> list[Any]:
+        it_fixed, it_sliced = iter(fixed), iter(slices)
+        args = [next(it_sliced) if e else next(it_fixed) for e in extensive]
+        return eval_jaxpr(body, consts, args, inner, kinds)
+
+    return _compat.bind_scan3(step, sliced, **loop)
+
+
 def _bind_in_original_precision(
     eqn: Any, invals: list, kinds: Sequence[int], ctx: Context
 ) -> Sequence[Any]:
@@ -669,6 +724,12 @@ interpreter.HANDLERS.update(
         "linear_solve": _bind_in_original_precision,  # lineax (optimistix's Newton steps too)
         "reduce": _bind_in_original_precision,  # lax.reduce with a computation of its own
         "reduce_window": _bind_in_original_precision,  # lax.reduce_window likewise
+        # hijax operations (JAX 0.10 on), by class: see autocast._compat.hijax_name
+        "RematTraced": _remat3,  # jax.checkpoint under jax_remat3
+        "Scan3": _scan3,  # lax.scan under jax_scan3
+        "CustomVJPTraced": _custom_vjp,  # jax.custom_vjp under jax_custom_vjp3
+        "CustomJVPTraced": _custom_jvp,  # jax.custom_jvp under jax_custom_jvp3
+        "CustomRoot": _bind_in_original_precision,  # lax.custom_root from JAX 0.12: a solve
     }
 )
 interpreter.ROLES.update(

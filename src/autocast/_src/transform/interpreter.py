@@ -163,7 +163,7 @@ class Context:
         names = _compat.scope_names(eqn)
         inner = tuple(s for s in names if s in self.scope_keys)
         ctx = self
-        if not self.in_loop and eqn.primitive.name in _LOOPS:
+        if not self.in_loop and _compat.equation_name(eqn) in _LOOPS:
             ctx = dataclasses.replace(ctx, in_loop=True)
         if self.fp8_history is not None and not in_place:
             ctx = dataclasses.replace(ctx, fp8_history=None)
@@ -184,8 +184,8 @@ class Context:
         return outs if seen is None else seen
 
 
-# Primitives whose sub-jaxprs run as a loop's body.
-_LOOPS = frozenset({"scan", "while"})
+# Primitives whose sub-jaxprs run as a loop's body (``Scan3``: a scan under ``jax_scan3``).
+_LOOPS = frozenset({"scan", "while", "Scan3"})
 
 
 def decide_by_scope(eqn: Any, ctx: Context) -> PrecisionFn | None:
@@ -203,8 +203,11 @@ _SQUARE = _compat.primitive_by_name("square")
 
 def _policy_key(eqn: Any) -> Any:
     """The primitive whose policy entry decides ``eqn``: ``x * x`` is a square, whichever way
-    the program spelt it (``jnp.linalg.norm`` writes ``x * x``), and is decided as one."""
+    the program spelt it (``jnp.linalg.norm`` writes ``x * x``), and is decided as one. A
+    ``checkpoint_name`` mark under ``jax_remat3`` is decided as the mark it is without it."""
     prim = eqn.primitive
+    if prim.name == _compat.HIJAX_CALL:
+        return _compat.checkpoint_name_primitive(eqn) or prim
     if prim is _MUL and _SQUARE is not None:
         a, b = eqn.invars
         if a is b and not isinstance(a, _compat.Literal):
@@ -886,6 +889,9 @@ def handler_for(eqn: Any, ctx: Context) -> Handler | None:
     (``amp_stop``).
     """
     prim = eqn.primitive
+    hijax = _compat.hijax_name(eqn)
+    if hijax is not None:
+        return _hijax_handler(eqn, hijax, ctx)
     if prim in _FIRST_ORDER:
         return None
     name = prim.name
@@ -907,8 +913,31 @@ def handler_for(eqn: Any, ctx: Context) -> Handler | None:
     raise unsupported(eqn)
 
 
+def _hijax_handler(eqn: Any, hijax: str, ctx: Context) -> Handler | None:
+    """The handler of a hijax equation (one primitive binds them all, so they are told apart
+    by their operation's class, never cached as first-order): its own, None for a
+    first-order operation (the policy decides it as ``call_hi_primitive``, or a mark as the
+    primitive it marks), an error for one that carries jaxprs and has no handler."""
+    handler = HANDLERS.get(hijax)
+    if handler is not None:
+        return handler
+    if not _compat.hijax_jaxprs(eqn):
+        return None
+    if decide_by_scope(eqn, ctx) is use_original_precision:
+        return ROLES["original precision"]
+    raise unsupported(eqn)
+
+
 def unsupported(eqn: Any) -> NotImplementedError:
     """The error for a higher-order equation amp cannot interpret."""
+    hijax = _compat.hijax_name(eqn)
+    if hijax is not None:
+        return NotImplementedError(
+            f"amp does not support the hijax operation {hijax} (a '{eqn.primitive.name}' "
+            f"equation that carries jaxprs); supported: {', '.join(sorted(HANDLERS))}. Wrap "
+            "the call in autocast.amp_stop() to run it untouched in original precision (or "
+            "turn off the jax_*3 option that made it, if one did)."
+        )
     carried = _compat.sub_jaxpr_params(eqn.params)
     return NotImplementedError(
         f"amp does not support the higher-order primitive '{eqn.primitive.name}' (it carries "
