@@ -3,8 +3,8 @@
 (one primitive, ``call_hi_primitive``, binds an object of a class per operation); users' own
 hijax operations; ``Ref``s; block-scaled products; explicit sharding. Each test runs where the
 installed JAX has what it tests and is skipped elsewhere. The options are checked on a few
-small programs that hold every construct, not by running the suite again under each: a
-suite costs CI about 8 minutes, these tests a few seconds."""
+small programs that hold every construct, not by running the suite again under each, which
+would add a whole suite's time to CI per option; these tests take seconds."""
 
 from __future__ import annotations
 
@@ -144,6 +144,21 @@ def test_every_construct_runs_its_products_in_16_bit_under_each_option(option):
             continue
         assert _products(jaxpr_of(amp_fn, *args)) == {("bfloat16", "bfloat16")}
         _close(jax.jit(amp_fn)(*args), jax.jit(fn)(*args), tol)
+
+
+def test_the_numerics_debugger_sees_every_equation_under_each_option(option):
+    if option == "jax_scan3":
+        pytest.skip("the debugger does not look inside a Scan3 (JAX cannot differentiate one)")
+    restore_option = getattr(jax.config, option)
+    jax.config.update(option, False)
+    try:
+        want = autocast.diagnose(_model, compute_dtype=BF16)(W, XS)
+    finally:
+        jax.config.update(option, restore_option)
+    got = autocast.diagnose(_model, compute_dtype=BF16)(W, XS)
+    # the checkpoint's, the custom functions' and the marks' equations, as without the option
+    assert [e.primitive for e in got.entries] == [e.primitive for e in want.entries]
+    assert got.output_error < 0.05
 
 
 # --- jax.checkpoint under jax_remat3 -----------------------------------------------------------
@@ -350,6 +365,9 @@ def test_a_ref_keeps_the_dtype_the_program_made_it_with():
         jax.grad(lambda w: jnp.sum(fn(w, X)))(W),
         1e-1,
     )
+    # the debugger's float32 reference would write the same Ref: refused, by name
+    with pytest.raises(NotImplementedError, match="Refs.*new_ref.*autocast.report"):
+        autocast.diagnose(fn, compute_dtype=BF16)(W, X)
 
 
 def test_a_block_scaled_product_keeps_the_operands_it_was_given():
@@ -403,3 +421,15 @@ def test_products_keep_their_out_sharding_under_explicit_axes():
         out = jax.jit(bf16_amp(fn))(W, x)
         assert jax.typeof(out).sharding.spec == PartitionSpec(None, "x")
         _close(out, jax.jit(fn)(W, x), 5e-2)
+
+
+def test_a_custom_root_operation_runs_in_original_precision():
+    def fn(x):
+        h = x @ W  # bfloat16 under amp; the solve takes it back in float32
+        return lax.custom_root(lambda y: y - h, h, lambda g, y0: y0 * 0.0, lambda g, y: y)
+
+    if not _hijax(jaxpr_of(fn, X), "CustomRoot"):
+        pytest.skip(f"JAX {jax.__version__}'s custom_root is no hijax operation")
+    (root,) = _hijax(jaxpr_of(bf16_amp(fn), X), "CustomRoot")
+    assert {v.aval.dtype for v in root.invars} == {jnp.dtype(F32)}
+    _close(jax.jit(bf16_amp(fn))(X), fn(X), 5e-2)

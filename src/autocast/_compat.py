@@ -551,6 +551,16 @@ def checkpoint_name_primitive(eqn: Any) -> Primitive | None:
     return primitive_by_name("name")
 
 
+def mark_name(eqn: Any) -> str | None:
+    """The name a ``checkpoint_name`` mark gives its value: a ``name`` equation's, or under
+    ``jax_remat3`` a ``CheckpointName``'s; None for any other equation."""
+    if eqn.primitive.name == "name":
+        return eqn.params.get("name")
+    if hijax_name(eqn) == "CheckpointName":
+        return _hijax_params(eqn).get("name")
+    return None
+
+
 def remat3_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]]:
     """``(open jaxpr, constants)`` of a ``jax.checkpoint`` under ``jax_remat3`` (a
     ``RematTraced`` equation), evaluated on the equation's inputs."""
@@ -654,6 +664,12 @@ def bind_scan3(body: Any, sliced: Sequence[Any], length: int, reverse: bool, unr
     return scan_nocarry(body, list(sliced), length=length, reverse=reverse, unroll=unroll)
 
 
+def is_ref_type(aval: Any) -> bool:
+    """Whether ``aval`` is the type of a ``Ref`` (``jax.new_ref``; none before JAX 0.8)."""
+    ref = getattr(getattr(jax, "ref", None), "AbstractRef", None)
+    return ref is not None and isinstance(aval, ref)
+
+
 def trace_context() -> Any:
     """The JAX settings a trace depends on (``jax_enable_x64``, the ``jax_*3`` options, the
     mesh in context...), hashable: what ``jax.jit`` adds to its cache's key, so that a trace
@@ -688,9 +704,15 @@ _CALLED_JAXPR = {
 
 def called_jaxpr(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
     """``(jaxpr, consts)`` of a call equation, evaluated on the equation's inputs to give its
-    outputs; None for any other equation. A ``jax.checkpoint`` under ``jax_remat3`` is one."""
-    if hijax_name(eqn) == "RematTraced":
+    outputs; None for any other equation. A ``jax.checkpoint`` under ``jax_remat3`` is one,
+    and so is a custom-derivative function under ``jax_custom_vjp3`` / ``jax_custom_jvp3``
+    (its primal)."""
+    hijax = hijax_name(eqn)
+    if hijax == "RematTraced":
         return remat3_body(eqn)
+    if hijax in ("CustomVJPTraced", "CustomJVPTraced"):
+        primal = hijax_expansion(eqn)
+        return primal.jaxpr, primal.consts
     key = _CALLED_JAXPR.get(eqn.primitive.name)
     if key is None:
         return None

@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from jax.extend import source_info_util
 
 from autocast import _compat
+from autocast._src import jaxprs
 from autocast._src.policy.precision import use_full_precision
 from autocast._src.tools import paired, provenance
 from autocast._src.tools.report import _table
@@ -218,6 +219,8 @@ def diagnose(
             generator or a coroutine.
         ValueError: As :func:`autocast.amp` raises it, for a ``compute_dtype`` string that
             names no floating dtype or a float8 type without a recipe.
+        NotImplementedError: When the returned function is called, if ``fn``'s program holds
+            ``Ref``s (``jax.new_ref``), which the float32 reference cannot share with amp's.
 
     Example:
         >>> import autocast, jax.numpy as jnp
@@ -237,6 +240,7 @@ def diagnose(
         args, kwargs = _on_one_device((args, kwargs))
         base = amp_fn._context()
         traced, values = amp_fn._traced_call(args, kwargs, base)
+        _refuse_refs(traced.jaxpr)
         sites: list[paired.Site] = []
 
         def observe(eqn: Any, rule: Any, invars: Any, outs: Any, ctx: Any) -> Any:
@@ -294,6 +298,27 @@ def diagnose(
         )
 
     return run
+
+
+def _refuse_refs(program: Any) -> None:
+    """Raises for a program (``fn``'s, as amp traced it) that reads or writes ``Ref``s: the
+    pass evaluates each equation twice, amp's and the reference's, and a ``Ref`` holds one
+    value, which the two would both write (JAX refuses the program with an effects error of
+    its own)."""
+    found = sorted(
+        {
+            _compat.equation_name(e)
+            for e in jaxprs.equations(program)
+            if any(_compat.is_ref_type(getattr(v, "aval", None)) for v in (*e.invars, *e.outvars))
+        }
+    )
+    if found:
+        raise NotImplementedError(
+            "autocast.diagnose cannot evaluate a program that holds Refs (its "
+            f"{', '.join(found)} equations): the float32 reference would write the same Ref as "
+            "amp's program. amp itself runs it (a Ref keeps the dtype it was made with); "
+            "diagnose the computation without its Refs, or read autocast.report."
+        )
 
 
 def _on_one_device(tree: Any) -> Any:

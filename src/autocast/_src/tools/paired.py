@@ -40,9 +40,7 @@ def mark(value: Any, site: int, index: int) -> Any:
 
 def site_of(eqn: Any) -> int | None:
     """The site number a marking equation carries; None for any other equation."""
-    if eqn.primitive.name != "name":
-        return None
-    name = eqn.params.get("name", "")
+    name = _compat.mark_name(eqn)  # checkpoint_name's mark, with or without jax_remat3
     if not isinstance(name, str) or not name.startswith(PREFIX):
         return None
     return int(name[len(PREFIX) :].split("/")[0])

@@ -483,9 +483,17 @@ def _custom_vjp_bwd_jaxpr(eqn: Any, perturbed: tuple[bool, ...], zero_cts: tuple
     return jax.make_jaxpr(bwd)(res_shapes, ct_specs)
 
 
-# The primal of a custom-derivative equation, traced once: a ``custom_*_call`` records it, a
-# hijax one (``jax_custom_vjp3``, ``jax_custom_jvp3``) is traced from its operation.
-_primal_jaxpr = _once_per_equation(_compat.custom_call_jaxpr)
+# A hijax custom-derivative equation (``jax_custom_vjp3``, ``jax_custom_jvp3``) keeps its
+# primal as a function: traced once per equation.
+_traced_primal = _once_per_equation(_compat.custom_call_jaxpr)
+
+
+def _primal_jaxpr(eqn: Any) -> Any:
+    """The primal jaxpr of a custom-derivative equation: recorded by a ``custom_*_call``,
+    traced from a hijax one."""
+    if _compat.hijax_name(eqn) is None:
+        return _compat.custom_call_jaxpr(eqn)
+    return _traced_primal(eqn)
 
 
 def _custom_vjp(eqn: Any, invals: list, kinds: Sequence[int], ctx: Context) -> Sequence[Any]:
