@@ -106,18 +106,24 @@ def _markers(params: Any) -> Any:
     )
 
 
+def _beside_params(tree: Any, params: Any, what: str) -> list[tuple[Any, Any, Any]]:
+    """``(path, parameter, entry)`` for each parameter and the entry of ``tree`` (a state's
+    tree of the parameters' structure) beside it; a ValueError where the structures differ."""
+    try:
+        entries = jax.tree_util.tree_structure(params).flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{what} does not have the parameters' structure (a state made for other "
+            f"parameters): {e}"
+        ) from None
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [(path, p, entry) for (path, p), entry in zip(flat, entries)]
+
+
 def _check_rounded(rounded: Any, params: Any) -> None:
     if rounded is None:
         return
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    try:
-        marks = jax.tree_util.tree_structure(params).flatten_up_to(rounded)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "stochastic_rounding: the state does not have the parameters' structure (a state "
-            f"made for other parameters): {e}"
-        ) from None
-    for (path, p), mark in zip(flat, marks):
+    for path, p, mark in _beside_params(rounded, params, "stochastic_rounding: the state"):
         was = None if isinstance(mark, optax.MaskedNode) else mark.dtype
         if was is not None and not _narrow(p):
             _refuse_upcast(path, p, was, "stochastic_rounding")
@@ -342,14 +348,7 @@ def kahan_summation(dtype: Any = None) -> optax.GradientTransformation:
 
 def _check_compensation(comp: Any, params: Any, comp_dtype: Any) -> None:
     masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
-    try:
-        flat = jax.tree_util.tree_structure(params).flatten_up_to(comp)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "kahan_summation: the state's compensation does not have the parameters' "
-            f"structure (a state made for other parameters): {e}"
-        ) from None
-    for (path, p), c in zip(jax.tree_util.tree_flatten_with_path(params)[0], flat):
+    for path, p, c in _beside_params(comp, params, "kahan_summation: the state's compensation"):
         want = _narrow(p)
         if not want and not masked(c):
             # the compensation is in the parameter's dtype unless one was given
