@@ -25,7 +25,12 @@ Figures:
   warm-up and cosine decay of the learning rate (the decay is where small updates vanish);
 - the step time (median, after compiling) against plain ``optax.adamw``: the whole training
   step of the larger GPT, and the optimizer's update alone (``update`` and
-  ``apply_updates``) on 16 M parameters.
+  ``apply_updates``) on 16 M parameters;
+- the optimizer update's compile time (``jit(tx.update)`` lowered and compiled on GPT-2
+  medium's shapes, a leaf per layer's array as a module per layer makes: 292, nothing
+  allocated) against plain AdamW on the same
+  bfloat16 tree, for the rounding and state choices (``COMPILE_CHOICES``); ``--compile-only``
+  prints this table alone.
 
 Run: ``.venv/bin/python benchmarks/training_state.py`` (the demo's GPT, 300 steps: a few
 minutes on 2 cores), ``--long`` (both GPTs, 1000 steps: about half an hour).
@@ -162,6 +167,18 @@ def gpt2_medium_params() -> Any:
     )
 
 
+def per_layer(params: Any) -> Any:
+    """``params`` with its stacked ``blocks`` split into one subtree per layer, as a model
+    written with a module per layer (Flax, Equinox, Haiku) holds them."""
+    blocks = params["blocks"]
+    layers = jax.tree_util.tree_leaves(blocks)[0].shape[0]
+    split = [
+        jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
+        for _ in range(layers)
+    ]
+    return {**{k: v for k, v in params.items() if k != "blocks"}, "blocks": split}
+
+
 def train(model: str, choice: Choice, steps: int, seed: int = 0) -> dict[str, Any]:
     """Trains one choice; its final held-out loss and training figures."""
     config = MODELS[model]
@@ -215,6 +232,33 @@ def update_time(choice: Choice, n: int = 1 << 24, repeats: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
+# The configurations whose update's compile time is compared with plain AdamW's.
+COMPILE_CHOICES = {
+    "float32 params, AdamW": Choice(jnp.float32, None),
+    "bf16 params, AdamW": Choice(jnp.bfloat16, None),
+    "bf16 params SR": Choice(jnp.bfloat16, None, "stochastic"),
+    "bf16 params Kahan": Choice(jnp.bfloat16, None, "kahan"),
+    "bf16 params SR, bf16 moments": CHOICES["bf16 params SR, bf16 moments"],
+    "bf16 params SR, 8-bit moments": CHOICES["bf16 params SR, 8-bit moments"],
+    "bf16 params Kahan, 8-bit moments, no key": Choice(
+        jnp.bfloat16, jnp.float8_e4m3fn, "kahan", moment_key=False
+    ),
+}
+
+
+def compile_seconds(choice: Choice, params: Any) -> dict[str, float]:
+    """Seconds to trace and lower, and to compile, ``jit(tx.update)`` for ``params`` (shapes)
+    in ``choice``'s dtype: nothing is allocated, so GPT-2 medium's tree fits any machine."""
+    typed = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, choice.params), params)
+    tx = optimizer(choice, 1000)
+    state = jax.eval_shape(tx.init, typed)
+    start = time.perf_counter()
+    lowered = jax.jit(tx.update).lower(typed, state, typed)
+    traced = time.perf_counter()
+    lowered.compile()
+    return {"lower_s": traced - start, "compile_s": time.perf_counter() - traced}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="both GPTs, 1000 steps")
@@ -222,6 +266,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--models", default="", help=f"';'-separated: {'; '.join(MODELS)}")
     parser.add_argument("--choices", default="", help="';'-separated choices (default: all)")
     parser.add_argument("--no-timing", action="store_true", help="leave out the update timing")
+    parser.add_argument(
+        "--compile-only", action="store_true", help="only the update's compile time table"
+    )
     parser.add_argument(
         "--update-params", type=int, default=1 << 24, help="parameters the update is timed on"
     )
@@ -240,7 +287,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     medium = gpt2_medium_params()
     n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(medium))
-    print(f"bytes per parameter, Adam, GPT-2 medium's shapes ({n / 1e6:.0f} M parameters):")
+    layered = per_layer(medium)
+    leaves = len(jax.tree_util.tree_leaves(layered))
+    print(f"optimizer update's lower + compile, GPT-2 medium, a leaf per layer ({leaves}), seconds:")
+    print(f"{'choice':42} {'lower':>6} {'compile':>8} {'total':>6} {'vs bf16 AdamW':>14}")
+    results["compile_s"] = {}
+    for name, choice in COMPILE_CHOICES.items():
+        c = results["compile_s"][name] = compile_seconds(choice, layered)
+        total = c["lower_s"] + c["compile_s"]
+        base = results["compile_s"].get("bf16 params, AdamW", c)
+        ratio = total / (base["lower_s"] + base["compile_s"])
+        print(f"{name:42} {c['lower_s']:6.2f} {c['compile_s']:8.2f} {total:6.2f} {ratio:13.2f}x")
+    if options.compile_only:
+        return results
+
+    print(f"\nbytes per parameter, Adam, GPT-2 medium's shapes ({n / 1e6:.0f} M parameters):")
     print(f"{'choice':36} {'params':>6} {'grads':>6} {'state':>6} {'total':>6}")
     results["bytes"] = {}
     for name in BYTES_CHOICES:

@@ -3,21 +3,30 @@
 ``jax.random.bits`` (threefry) costs about 38 ns an element on a CPU core, 17 times the
 rounding it serves; a step of a 1 B-parameter model would spend most of its optimizer time
 drawing them. So the key is used where JAX's generator is good and cheap, for two 32-bit
-seeds per array and step, and each element's bits are a hash of those seeds and the
-element's position: two rounds of a 32-bit integer mixer (Wellons' "lowbias32", a bijection
-of uint32 whose output bits each flip with probability close to 1/2 when any input bit
-does). The position is computed from ``broadcasted_iota`` along each axis, which XLA's
+seeds per step, and each element's bits are a hash of those seeds and the element's
+position in the tree: two rounds of a 32-bit integer mixer (Wellons' "lowbias32", a
+bijection of uint32 whose output bits each flip with probability close to 1/2 when any
+input bit does). An array's elements are numbered from its offset, the number of elements
+of the arrays before it in the tree, so that no two elements of a tree share bits in a step
+(up to 2**32 elements; beyond, positions repeat modulo 2**32).
+
+One pair of seeds for the whole tree, not a pair per array: XLA fuses each array's rounding
+into a kernel of its own, and a kernel that reads its own row of a table of seeds took a
+CPU compiler several times as long as one that reads a shared pair, for the same program.
+The position is computed from ``broadcasted_iota`` along each axis, which XLA's
 partitioner gives each shard its own part of: the bits of an element do not depend on how
 its array is sharded, and every process that holds a copy of an array draws the same bits
-for it. Arrays of more than 2**32 elements repeat positions modulo 2**32.
+for it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _M1 = 0x7FEB352D
@@ -45,12 +54,23 @@ def positions(shape: tuple[int, ...]) -> jax.Array:
     return index
 
 
-def seeds(key: Any, count: int) -> jax.Array:
-    """``count`` pairs of uint32 seeds from ``key`` (a typed key): shape ``(count, 2)``."""
-    return jax.random.bits(key, (count, 2), jnp.uint32)
+def seeds(key: Any) -> jax.Array:
+    """A pair of uint32 seeds from ``key`` (a typed key): shape ``(2,)``."""
+    return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def element_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """One uint32 per element of ``shape``, from a pair of uint32 seeds."""
-    h = _mix(positions(shape) ^ seed[0])
+def offsets(shapes: list[tuple[int, ...]]) -> list[int]:
+    """Where each array of ``shapes`` begins when a tree's elements are numbered in order,
+    modulo 2**32."""
+    out, total = [], 0
+    for shape in shapes:
+        out.append(total % 2**32)
+        total += math.prod(shape)
+    return out
+
+
+def element_bits(seed: jax.Array, shape: tuple[int, ...], offset: int = 0) -> jax.Array:
+    """One uint32 per element of ``shape``, from a pair of uint32 seeds; the elements are
+    numbered from ``offset`` (from :func:`offsets`)."""
+    h = _mix((positions(shape) + np.uint32(offset % 2**32)) ^ seed[0])
     return _mix(h + seed[1])

@@ -213,16 +213,17 @@ def low_precision_state(
         if roots and dtype == blocks.CODE_DTYPE:
             named = _nonnegative_fields([path for path, _ in leaves], params, roots)
         chosen = [i for i, (_, x) in enumerate(leaves) if _compactable(x)]
-        seeds = None if draw is None else _bits.seeds(draw, max(len(chosen), 1))
+        seed = None if draw is None else _bits.seeds(draw)
         out = [x for _, x in leaves]
         xs = [leaves[i][1] for i in chosen]
         rooted = tuple(named[i] for i in chosen)
-        if seeds is None and not any(isinstance(x, jax.core.Tracer) for x in xs):
+        if seed is None and not any(isinstance(x, jax.core.Tracer) for x in xs):
             stored = _stored_to_nearest(xs, dtype, block_size, rooted)
         else:
+            offsets = _bits.offsets([_rounded_shape(x.shape, dtype, block_size) for x in xs])
             stored = [
-                _stored(x, dtype, block_size, root, None if seeds is None else seeds[n])
-                for n, (x, root) in enumerate(zip(xs, rooted))
+                _stored(x, dtype, block_size, root, seed, offset)
+                for x, root, offset in zip(xs, rooted, offsets)
             ]
         for i, x in zip(chosen, stored):
             out[i] = x
@@ -320,17 +321,23 @@ def _unwrap_blocks(state: Any) -> Any:
     return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, kinds))
 
 
-def _stored(x: jax.Array, dtype: Any, block_size: int, root: bool, seed: Any) -> Any:
+def _rounded_shape(shape: tuple[int, ...], dtype: Any, block_size: int) -> tuple[int, ...]:
+    """The shape of what is rounded for a leaf of ``shape``: its 8-bit codes, or itself."""
+    return blocks.code_shape(shape, block_size) if dtype == blocks.CODE_DTYPE else shape
+
+
+def _stored(
+    x: jax.Array, dtype: Any, block_size: int, root: bool, seed: Any, offset: int = 0
+) -> Any:
     """One leaf of the state in its stored form: rounded stochastically with the bits of
-    ``seed``, or to nearest where it is None."""
+    ``seed``, its elements numbered from ``offset``, or to nearest where ``seed`` is None."""
     x = x.astype(jnp.float32)
     if dtype == jnp.float32:
         return x
+    shape = _rounded_shape(x.shape, dtype, block_size)
+    bits = None if seed is None else _bits.element_bits(seed, shape, offset)
     if dtype == blocks.CODE_DTYPE:
-        shape = blocks.code_shape(x.shape, block_size)
-        bits = None if seed is None else _bits.element_bits(seed, shape)
         return blocks.encode(x, block_size, root, bits)
-    bits = None if seed is None else _bits.element_bits(seed, x.shape)
     return rounding.round_onto(x, dtype, bits=bits).astype(dtype)
 
 

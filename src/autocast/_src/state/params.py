@@ -210,15 +210,18 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
         _check_rounded(state.rounded, params)
         following, now = stored.split(state.key)
         narrow = [p for p in jax.tree_util.tree_leaves(params) if _narrow(p)]
-        seeds = _bits.seeds(now, max(len(narrow), 1))
-        index = iter(range(len(narrow)))
+        seed = _bits.seeds(now)
+        offsets = iter(_bits.offsets([p.shape for p in narrow]))
 
         def one(u: Any, p: Any) -> Any:
-            if u is None or not _narrow(p):
+            if not _narrow(p):
                 return u
-            seed = seeds[next(index)]
+            offset = next(offsets)  # drawn for every 16-bit parameter, an update or not
+            if u is None:
+                return u
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
-            r = rounding.round_onto(x, p.dtype, bits=_bits.element_bits(seed, p.shape))
+            bits = _bits.element_bits(seed, p.shape, offset)
+            r = rounding.round_onto(x, p.dtype, bits=bits)
             return rounding.landing_update(r, p)[1]
 
         out = jax.tree_util.tree_map(one, updates, params, is_leaf=lambda x: x is None)

@@ -50,8 +50,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from autocast._src.float32_bits import exponent, two_to
-
 # The narrow dtypes a grid may be: parameters (bfloat16, float16) and stored state (float8).
 NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
 PARAMETER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -64,19 +62,28 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
 
 
-def _pow2(e: jax.Array) -> jax.Array:
-    """2**e in float32 for integers ``e``, clipped to float32's normal range [-126, 127]."""
-    return two_to(jnp.clip(e, -126, 127))
+def _float32_bits(v: float) -> int:
+    return int(np.array(v, np.float32).view(np.uint32))
 
 
-def _subnormal_exponent(dtype: Any) -> int:
-    """log2 of ``dtype``'s smallest subnormal: the spacing of its grid below its normals."""
-    return int(np.log2(float(jnp.finfo(dtype).smallest_subnormal)))
+class _Grid:
+    """What rounding onto one narrow dtype needs, in float32's terms: the mantissa bits a
+    value of the dtype leaves zero (``drop``), where its normal values begin, the spacing
+    below them, and the bits of its largest finite value."""
+
+    def __init__(self, dtype: Any):
+        info = jnp.finfo(dtype)
+        self.drop = 23 - int(info.nmant)
+        self.normal_bits = _float32_bits(2.0**info.minexp)
+        # below the normal values the spacing is that of the dtype's subnormals, and never
+        # below float32's smallest normal (float32's subnormals are left out of the grid)
+        spacing = max(int(info.minexp) - int(info.nmant), _F32_TINY_EXPONENT)
+        self.spacing = 2.0**spacing
+        self.inverse_spacing = 2.0**-spacing
+        self.max_bits = _float32_bits(float(info.max))
 
 
-def _finest_spacing_exponent(dtype: Any) -> int:
-    """log2 of the narrowest spacing of ``dtype``'s grid, float32's subnormals left out."""
-    return max(_subnormal_exponent(dtype), _F32_TINY_EXPONENT)
+_GRIDS = {dtype: _Grid(dtype) for dtype in NARROW}
 
 
 def uniform24(bits: jax.Array) -> jax.Array:
@@ -96,56 +103,40 @@ def round_onto(x: jax.Array, dtype: Any, *, bits: jax.Array | None = None) -> ja
     Finite values beyond ``dtype``'s range saturate at its largest finite value; inf and
     NaN pass through.
 
-    The grid is computed in float32 and integer arithmetic alone, every operation exact: no
-    value of ``dtype`` appears in the program. A conversion to ``dtype`` and back would be
-    the rounding, but XLA on a GPU removes such a pair as excess precision
-    (``xla_allow_excess_precision``, on by default), and the values came back unrounded.
+    Where ``dtype`` has normal values, its grid is float32's with the low ``drop`` mantissa
+    bits zero, so the rounding is integer arithmetic on the magnitude's bits (a carry into
+    the exponent is the step to the next binade): adding ``2**drop - 1 - r``, with ``r`` the
+    top ``drop`` random bits, and clearing the low bits goes up exactly when ``r`` is below
+    the low bits, with probability their value over the spacing. Below the normal values
+    the spacing is fixed, and the magnitude in units of it is split into its integer and
+    fractional parts, exactly. No value of ``dtype`` appears in the program: a conversion to
+    ``dtype`` and back would be the rounding, but XLA on a GPU removes such a pair as excess
+    precision (``xla_allow_excess_precision``, on by default), and the values came back
+    unrounded.
     """
-    dtype = jnp.dtype(dtype)
-    info = jnp.finfo(dtype)
+    grid = _GRIDS[jnp.dtype(dtype)]
     x = x.astype(jnp.float32)
-    finite = jnp.isfinite(x)
-    a = jnp.where(finite, jnp.minimum(jnp.abs(x), float(info.max)), 0.0)
-    floor = _finest_spacing_exponent(dtype)
-    # bfloat16 reaches float32's subnormal range, whose arithmetic a CPU flushes to zero: tiny
-    # magnitudes are scaled up by 2**64 (exactly; bfloat16's grid is the same up there) so
-    # that no spacing or difference below is subnormal, and scaled back at the end.
-    scaled = info.minexp == jnp.finfo(jnp.float32).minexp
-    scale = jnp.where(a < float(2.0**-60), 64, 0) if scaled else 0
-    if scaled:
-        a = a * _pow2(scale)
-    first = _pow2(floor + scale)  # the first grid point above 0
-    # The spacing of the grid around v is 2**(exponent of v - mantissa bits), and below the
-    # dtype's normal range that of its subnormals.
-    subnormal = _subnormal_exponent(dtype) + scale
-
-    def spacing_exponent(v: jax.Array, binade_below: jax.Array | int = 0) -> jax.Array:
-        return jnp.maximum(exponent(v) - info.nmant - binade_below, subnormal)
-
-    # the nearest grid value: a scaled to units of its spacing, rounded half to even
-    e = spacing_exponent(a)
-    n = lax.round(a * _pow2(-e), lax.RoundingMethod.TO_NEAREST_EVEN) * _pow2(e)
-    # its neighbours; below the first normal value, 0 and that value
-    e_n = spacing_exponent(n)
-    power_of_two = (_bits(n) & 0x7FFFFF) == 0
-    # above the largest value (bfloat16's max gives inf, float8's 448 gives 480) only where a
-    # is that largest value: its chance of going up is then 0
-    up = n + _pow2(e_n)
-    down = n - _pow2(spacing_exponent(n, power_of_two.astype(jnp.int32)))
-    below = n <= a
-    tiny = a < first
-    lo = jnp.where(tiny, 0.0, jnp.where(below, n, down))
-    hi = jnp.where(tiny, first, jnp.where(below, up, n))
+    b = _bits(x)
+    magnitude = jnp.minimum(b & _MAGNITUDE, np.uint32(grid.max_bits))
+    low = np.uint32((1 << grid.drop) - 1)
     if bits is None:
-        magnitude = jnp.where(tiny, jnp.where(a > first / 2, first, 0.0), n)
+        carry = low >> 1
+        normal = (magnitude + carry + ((magnitude >> grid.drop) & 1)) & ~low
     else:
-        # hi - lo is a power of two: its reciprocal is exact, a division might not be
-        chance = (a - lo) * _pow2(-exponent(hi - lo))
-        magnitude = jnp.where(uniform24(bits) < chance, hi, lo)
-    if scaled:
-        magnitude = magnitude * _pow2(-scale)
-    signed = lax.bitcast_convert_type(_bits(magnitude) | (_bits(x) & _SIGN), jnp.float32)
-    return jnp.where(finite, signed, x)
+        # (~bits) >> (32 - drop) is 2**drop - 1 - r for the top drop bits r
+        normal = (magnitude + ((~bits) >> (32 - grid.drop))) & ~low
+    # below the normal values: the magnitude in units of the spacing, split exactly; on a
+    # CPU a float32 subnormal reads as zero here, as in all of its arithmetic
+    units = lax.bitcast_convert_type(magnitude, jnp.float32) * grid.inverse_spacing
+    if bits is None:
+        whole = lax.round(units, lax.RoundingMethod.TO_NEAREST_EVEN)
+    else:
+        whole = jnp.floor(units)
+        whole = whole + (uniform24(bits) < units - whole).astype(jnp.float32)
+    small = _bits(whole * grid.spacing)
+    rounded = jnp.where(magnitude < np.uint32(grid.normal_bits), small, normal)
+    signed = lax.bitcast_convert_type(rounded | (b & _SIGN), jnp.float32)
+    return jnp.where(jnp.isfinite(x), signed, x)
 
 
 def landing_update(r: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
