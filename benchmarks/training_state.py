@@ -289,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(medium))
     layered = per_layer(medium)
     leaves = len(jax.tree_util.tree_leaves(layered))
-    print(f"optimizer update's lower + compile, GPT-2 medium, a leaf per layer ({leaves}), seconds:")
+    print(
+        f"optimizer update's lower + compile, GPT-2 medium, a leaf per layer ({leaves}), seconds:"
+    )
     print(f"{'choice':42} {'lower':>6} {'compile':>8} {'total':>6} {'vs bf16 AdamW':>14}")
     results["compile_s"] = {}
     for name, choice in COMPILE_CHOICES.items():

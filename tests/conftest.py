@@ -177,6 +177,29 @@ def bind_closed_call(closed: Any, x: Any) -> Any:
     return prim.bind(x, **bind_params)[0]
 
 
+def hijax_base() -> Any:
+    """JAX's base class for a user's hijax operation; skips where the installed JAX has none."""
+    hijax = pytest.importorskip("jax.experimental.hijax")
+    base = getattr(hijax, "HiPrim", None) or getattr(hijax, "VJPHiPrimitive", None)
+    if base is None:
+        pytest.skip(f"JAX {jax.__version__} has no hijax operations")
+    return base
+
+
+def hijax_cube() -> Any:
+    """A user's hijax operation that carries nothing: ``Cube(jax.typeof(x))(x)`` is x**3."""
+
+    class Cube(hijax_base()):
+        def __init__(self, aval: Any):
+            self.in_avals, self.out_aval, self.params = (aval,), aval, {}
+            super().__init__()
+
+        def expand(self, x: Any) -> Any:
+            return x * x * x
+
+    return Cube
+
+
 def jaxpr_of(fn: Callable[..., Any], *args: Any) -> Any:
     return jax.make_jaxpr(fn)(*args)
 

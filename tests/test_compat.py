@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bind_closed_call, eqns_named
+from conftest import bind_closed_call, eqns_named, hijax_base, hijax_cube
 from jax import lax
 
 from autocast import _compat
@@ -154,18 +154,8 @@ def test_zero_cotangents_reach_a_rule_as_symbolic_zeros_where_the_pullback_takes
 def _hijax_ops():
     """Two operations of a user's, written with ``jax.experimental.hijax``: ``Cube`` carries
     nothing, ``Holder`` jaxprs in a list and in another operation."""
-    hijax = pytest.importorskip("jax.experimental.hijax")
-    base = getattr(hijax, "HiPrim", None) or hijax.VJPHiPrimitive
 
-    class Cube(base):
-        def __init__(self, aval):
-            self.in_avals, self.out_aval, self.params = (aval,), aval, {}
-            super().__init__()
-
-        def expand(self, x):
-            return x * x * x
-
-    class Holder(base):
+    class Holder(hijax_base()):
         def __init__(self, parts, inner, aval):
             self.in_avals, self.out_aval = (aval,), aval
             self.params = {"parts": parts, "inner": inner}
@@ -174,7 +164,7 @@ def _hijax_ops():
         def expand(self, x):
             return x
 
-    return Cube, Holder
+    return hijax_cube(), Holder
 
 
 def test_hijax_equations_are_named_their_jaxprs_found_and_retyped_only_as_marks():

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import eqns_named, jaxpr_of, operand_dtypes
+from conftest import eqns_named, hijax_base, hijax_cube, jaxpr_of, operand_dtypes
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -297,26 +297,10 @@ def test_a_scan3_body_runs_under_the_policy_and_its_carry_keeps_its_dtype():
 # --- users' hijax operations (jax.experimental.hijax) -------------------------------------------
 
 
-def _hijax_base():
-    hijax = pytest.importorskip("jax.experimental.hijax")
-    base = getattr(hijax, "HiPrim", None) or getattr(hijax, "VJPHiPrimitive", None)
-    if base is None:
-        pytest.skip(f"JAX {jax.__version__} has no hijax operations")
-    return base
-
-
 def test_a_users_hijax_operation_runs_in_original_precision_or_is_refused():
-    base = _hijax_base()
+    Cube = hijax_cube()
 
-    class Cube(base):
-        def __init__(self, aval):
-            self.in_avals, self.out_aval, self.params = (aval,), aval, {}
-            super().__init__()
-
-        def expand(self, x):
-            return x * x * x
-
-    class Apply(base):  # carries a jaxpr, which amp cannot see how the operation uses
+    class Apply(hijax_base()):  # carries a jaxpr, which amp cannot see how the operation uses
         def __init__(self, closed, aval):
             self.in_avals, self.out_aval = (aval,), aval
             self.params = {"closed": closed}
