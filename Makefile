@@ -24,6 +24,9 @@ BENCH_ARGS ?=
 # Its venv holds the JAX of .venv and the CUDA plugin of the same version (about 5.5 GB).
 GPU_PLAN_VENV := .venv-gpu-plan
 PLAN_ARGS ?=
+# make tpu-plan: TPU programs compiled on this machine, no TPU needed (benchmarks/gpu_plan.py
+# --target tpu). Its venv holds the JAX of .venv and the libtpu its jax[tpu] extra pins.
+TPU_PLAN_VENV := .venv-tpu-plan
 # A venv is made with pip, which then installs uv from the registry, and uv installs the
 # project and its dependencies: uv is several times faster than pip with the same packages
 # (docs/benchmarks.md, CI's time). --python names the venv whatever VIRTUAL_ENV the caller
@@ -45,11 +48,12 @@ VENV_WHAT := -e '.[test,demo]'
 OLDEST_WHAT := -c $(OLDEST_CONSTRAINTS) -e '.[test]'
 NEWEST_WHAT = jax==$(NEWEST_JAX) jaxlib==$(NEWEST_JAX) -e '.[test,demo]'
 GPU_PLAN_WHAT := "jax==$$v" "jaxlib==$$v" "jax-cuda12-plugin[with-cuda]==$$v" flax -e '.[demo]'
+TPU_PLAN_WHAT := "jax[tpu]==$$v" "jaxlib==$$v" flax -e '.[test,demo]'
 
 # What the scripts test-newest runs read, wherever they were given (command line or environment).
 export NEWEST_JAX NEWEST_PYTHON TEST_WORKERS PYTEST_ARGS
 
-.PHONY: test test-fast test-oldest test-newest newest-suite demo bench gpu-plan docs clean
+.PHONY: test test-fast test-oldest test-newest newest-suite demo bench gpu-plan tpu-plan docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +81,13 @@ $(GPU_PLAN_VENV)/.installed: $(VENV)/.installed
 	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
 	$(call install,$(GPU_PLAN_VENV),$(GPU_PLAN_WHAT))
 	$(GPU_PLAN_VENV)/bin/python $(BYTECODE) $(GPU_PLAN_VENV)/lib || true
+	touch $@
+
+$(TPU_PLAN_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(TPU_PLAN_VENV)
+	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
+	$(call install,$(TPU_PLAN_VENV),$(TPU_PLAN_WHAT))
+	$(TPU_PLAN_VENV)/bin/python $(BYTECODE) $(TPU_PLAN_VENV)/lib || true
 	touch $@
 
 demo: $(VENV)/.installed

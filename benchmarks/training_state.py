@@ -33,7 +33,9 @@ Figures:
   prints this table alone.
 
 Run: ``.venv/bin/python benchmarks/training_state.py`` (the demo's GPT, 300 steps: a few
-minutes on 2 cores), ``--long`` (both GPTs, 1000 steps: about half an hour).
+minutes on 2 cores), ``--long`` (both GPTs, 1000 steps: about half an hour);
+``.venv-gpu-plan/bin/python benchmarks/training_state.py --compile-only --device H100``
+compiles the update for an H100 on this machine (``make gpu-plan``'s venv, no GPU).
 """
 
 from __future__ import annotations
@@ -232,10 +234,11 @@ def update_time(choice: Choice, n: int = 1 << 24, repeats: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
-# The configurations whose update's compile time is compared with plain AdamW's.
+# The configurations whose update's compile time is compared with plain AdamW's (first: the
+# others' ratios are to it).
 COMPILE_CHOICES = {
-    "float32 params, AdamW": Choice(jnp.float32, None),
     "bf16 params, AdamW": Choice(jnp.bfloat16, None),
+    "float32 params, AdamW": Choice(jnp.float32, None),
     "bf16 params SR": Choice(jnp.bfloat16, None, "stochastic"),
     "bf16 params Kahan": Choice(jnp.bfloat16, None, "kahan"),
     "bf16 params SR, bf16 moments": CHOICES["bf16 params SR, bf16 moments"],
@@ -246,12 +249,19 @@ COMPILE_CHOICES = {
 }
 
 
-def compile_seconds(choice: Choice, params: Any) -> dict[str, float]:
+def compile_seconds(choice: Choice, params: Any, where: Any = None) -> dict[str, float]:
     """Seconds to trace and lower, and to compile, ``jit(tx.update)`` for ``params`` (shapes)
-    in ``choice``'s dtype: nothing is allocated, so GPT-2 medium's tree fits any machine."""
-    typed = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, choice.params), params)
+    in ``choice``'s dtype: nothing is allocated, so GPT-2 medium's tree fits any machine.
+    ``where``: a sharding on a compile-only device to compile for (the host's CPU if None)."""
+
+    def shaped(p: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=where)
+
+    typed = jax.tree_util.tree_map(
+        lambda p: shaped(jax.ShapeDtypeStruct(p.shape, choice.params)), params
+    )
     tx = optimizer(choice, 1000)
-    state = jax.eval_shape(tx.init, typed)
+    state = jax.tree_util.tree_map(shaped, jax.eval_shape(tx.init, typed))
     start = time.perf_counter()
     lowered = jax.jit(tx.update).lower(typed, state, typed)
     traced = time.perf_counter()
@@ -270,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--compile-only", action="store_true", help="only the update's compile time table"
     )
     parser.add_argument(
+        "--device",
+        default="",
+        help="with --compile-only: compile for this GPU (a name of gpu_plan.DEVICES; needs "
+        "make gpu-plan's venv) instead of the host's CPU",
+    )
+    parser.add_argument(
         "--update-params", type=int, default=1 << 24, help="parameters the update is timed on"
     )
     parser.add_argument("--seed", type=int, default=0, help="initial parameters, data and keys")
@@ -285,6 +301,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error(f"unknown: {', '.join(unknown)}")
     results: dict[str, Any] = {"jax": jax.__version__, "steps": steps, "seed": options.seed}
 
+    where = None
+    if options.device:
+        # Only compiled for: JAX stays on the CPU, the GPU compiler runs here (gpu_plan).
+        jax.config.update("jax_platforms", "cpu")
+        sys.path.insert(0, str(Path(__file__).parent))
+        import gpu_plan
+
+        where = gpu_plan.sharding(options.device)
+        results["device"] = options.device
     medium = gpt2_medium_params()
     n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(medium))
     layered = per_layer(medium)
@@ -295,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"{'choice':42} {'lower':>6} {'compile':>8} {'total':>6} {'vs bf16 AdamW':>14}")
     results["compile_s"] = {}
     for name, choice in COMPILE_CHOICES.items():
-        c = results["compile_s"][name] = compile_seconds(choice, layered)
+        c = results["compile_s"][name] = compile_seconds(choice, layered, where)
         total = c["lower_s"] + c["compile_s"]
         base = results["compile_s"].get("bf16 params, AdamW", c)
         ratio = total / (base["lower_s"] + base["compile_s"])
