@@ -218,27 +218,47 @@ ROOT = Path(__file__).parents[1]
 FULL_OPTIMISATION = load_script(ROOT / "benchmarks" / "_training.py").FULL_OPTIMISATION
 # make gpu-plan's venv: JAX with its CUDA plugin, which compiles for a GPU without one
 GPU_PLAN_VENV = ROOT / ".venv-gpu-plan"
+TPU_PLAN_VENV = ROOT / ".venv-tpu-plan"
 
 
-def needs_gpu_plan_venv(test: Callable) -> Callable:
-    """Marks a test that runs in make gpu-plan's venv: skipped where it is not built, and
-    once (its JAX is .venv's whichever suite runs the test)."""
-    built = (GPU_PLAN_VENV / ".installed").exists()
-    skip = pytest.mark.skipif(not built, reason="make gpu-plan builds .venv-gpu-plan")
-    return pytest.mark.once(skip(test))
+def _needs_venv(venv: Path, target: str) -> Callable[[Callable], Callable]:
+    def mark(test: Callable) -> Callable:
+        built = (venv / ".installed").exists()
+        skip = pytest.mark.skipif(not built, reason=f"make {target} builds {venv.name}")
+        return pytest.mark.once(skip(test))
+
+    return mark
 
 
-def in_gpu_plan_venv(*args: str) -> str:
-    """``python *args`` in make gpu-plan's venv, with this tree's autocast: what it printed."""
+# Mark a test that runs in make gpu-plan's (tpu-plan's) venv: skipped where it is not built,
+# and once (its JAX is .venv's whichever suite runs the test).
+needs_gpu_plan_venv = _needs_venv(GPU_PLAN_VENV, "gpu-plan")
+needs_tpu_plan_venv = _needs_venv(TPU_PLAN_VENV, "tpu-plan")
+
+
+def in_venv(venv: Path, *args: str) -> str:
+    """``python *args`` in ``venv`` (a plan's), with this tree's autocast: what it printed.
+    libtpu takes a lock file that a second process would fail on (tests run in parallel)
+    unless told several may load it."""
     done = subprocess.run(
-        [str(GPU_PLAN_VENV / "bin" / "python"), *args],
+        [str(venv / "bin" / "python"), *args],
         capture_output=True,
         text=True,
-        env={**users_environ(), "PYTHONPATH": str(ROOT / "src")},
+        env={
+            **users_environ(),
+            "PYTHONPATH": str(ROOT / "src"),
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+            "JAX_PLATFORMS": "cpu",
+        },
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+def in_gpu_plan_venv(*args: str) -> str:
+    """``python *args`` in make gpu-plan's venv, with this tree's autocast: what it printed."""
+    return in_venv(GPU_PLAN_VENV, *args)
 
 
 def gpu_plans(tmp_path: Path, *args: str) -> tuple[dict, str]:

@@ -10,6 +10,7 @@ import pytest
 from conftest import eqns_named, operand_dtypes, require
 
 import autocast
+from autocast._src.policy.target import Target
 from autocast._src.tools import measure as _measure
 from autocast._src.transform import entry_points
 
@@ -109,21 +110,27 @@ def test_amp_stop_float32_compute_and_fp8(monkeypatch):
     assert operand_dtypes(jaxpr, "dot_general")[-1] == ("float8_e4m3fn", "float8_e4m3fn")
 
 
+def _on_a_gpu(monkeypatch):
+    """Arguments on this CPU taken for a GPU's (tests/test_target.py places them on one)."""
+    h100 = Target("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+    monkeypatch.setattr(entry_points, "target_of", lambda *trees: h100)
+
+
 def test_jax_nn_dot_product_attention_is_an_entry_point_where_it_may_pick_cudnn(monkeypatch):
     assert jax.nn.dot_product_attention._autocast_entry_point
     possible = entry_points.fused_attention_possible
     assert possible(Q, K, V, implementation="cudnn")
     assert not possible(Q, K, V, implementation="xla")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _on_a_gpu(monkeypatch)
     assert possible(Q, K, V)  # left to JAX's choice on a GPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(entry_points, "target_of", lambda *trees: Target("cpu", "cpu"))
     assert not possible(Q, K, V)  # the XLA path: amp's own policy runs it
 
 
 def test_flax_attention_reaches_the_entry_point(monkeypatch):
     nnx = require("flax.nnx")
     seen = _seen(monkeypatch)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where JAX may choose cuDNN
+    _on_a_gpu(monkeypatch)  # where JAX may choose cuDNN
     mha = nnx.MultiHeadAttention(
         num_heads=4, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0)
     )

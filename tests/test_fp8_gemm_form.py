@@ -7,7 +7,7 @@ its venv."""
 
 from __future__ import annotations
 
-import types
+import functools
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -21,6 +21,7 @@ from hypothesis import given, settings
 import autocast
 from autocast import _compat
 from autocast._src.fp8 import products as fp8
+from autocast._src.policy.target import Target
 from autocast._src.tools import measure as _measure
 
 ROOT = Path(__file__).parents[1]
@@ -205,40 +206,26 @@ def test_the_dequantised_form_dequantises_to_bfloat16_and_computes_the_same(monk
         np.testing.assert_allclose(a, b, rtol=0.02, atol=1e-3)
 
 
-def _device(platform, capability):
-    return types.SimpleNamespace(platform=platform, compute_capability=capability)
-
-
 def test_which_devices_have_float8_gemms():
-    assert fp8._has_float8_gemms([_device("gpu", "9.0")])
-    assert fp8._has_float8_gemms([_device("gpu", "8.9")])
-    assert not fp8._has_float8_gemms([_device("gpu", "8.0")])  # an A100: none
-    assert not fp8._has_float8_gemms([_device("gpu", "gfx942")])  # AMD's numbering
-    assert not fp8._has_float8_gemms([types.SimpleNamespace(platform="cpu")])
-    # this machine's devices: none on a CPU; an NVIDIA GPU from compute capability 8.9 on
-    capabilities = [
-        tuple(int(p) for p in str(d.compute_capability).split(".")[:2])
-        for d in jax.devices()
-        if d.platform == "gpu" and str(d.compute_capability)[:1].isdigit()
-    ]
-    assert fp8._float8_gemm_devices() == any(c >= (8, 9) for c in capabilities)
+    refused = functools.partial(fp8.float8_refusal, fp8.DEFAULT_RECIPE)
+    assert refused(Target("gpu", "NVIDIA H100 80GB HBM3", "9.0")) is None
+    assert refused(Target("gpu", "NVIDIA L4", "8.9")) is None
+    assert "no float8 GEMMs" in refused(Target("gpu", "NVIDIA A100-SXM4-80GB", "8.0"))
+    assert refused(Target("gpu", "AMD Instinct MI300X", "gfx942")) is None  # not checked
+    assert refused(Target("cpu", "cpu")) is None  # emulated: its numerics can be studied
 
 
-def test_e5m2_everywhere_is_refused_where_no_float8_gemm_takes_it(monkeypatch):
+def test_e5m2_everywhere_is_refused_where_no_float8_gemm_takes_it():
     # cuBLASLt multiplies e4m3 by e4m3 or e5m2, never e5m2 by e5m2: XLA converts the pair
     # to bfloat16 (docs/fp8.md, "Hardware")
     x, w = _args()
-    if fp8._float8_gemm_devices():
-        with pytest.raises(ValueError, match=r"float8_e5m2.*NVIDIA.*compute_dtype='fp8'"):
-            autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)
-    else:  # a CPU: it runs
-        accepted = autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)
-        assert np.isfinite(float(accepted(x, w)))
-    monkeypatch.setattr(fp8, "_float8_gemm_devices", lambda: True)
-    with pytest.raises(ValueError, match=r"float8_e5m2.*NVIDIA.*compute_dtype='fp8'"):
-        autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)
-    with pytest.raises(ValueError, match="e4m3 operands forward and e5m2 output gradients"):
-        autocast.amp(_layer, compute_dtype=fp8.RECIPES[E5M2])
+    accepted = autocast.amp(_layer, compute_dtype=jnp.float8_e5m2)
+    assert np.isfinite(float(accepted(x, w)))  # a CPU: it runs
+    h100 = Target("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+    with pytest.raises(ValueError, match=r"float8_e5m2.*NVIDIA.*e4m3 operands forward and e5m2"):
+        fp8.check_runs_in_float8(fp8.RECIPES[E5M2], h100)
+    for fine in (jnp.float8_e4m3fn, jnp.float8_e5m2fnuz):
+        assert fp8.float8_refusal(fp8.RECIPES[np.dtype(fine)], h100) is None
     # the default recipe and AMD's pair are not asked about
     for fine in ("fp8", jnp.float8_e4m3fn, jnp.float8_e5m2fnuz):
         assert np.isfinite(float(autocast.amp(_layer, compute_dtype=fine)(x, w)))

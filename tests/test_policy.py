@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from types import SimpleNamespace
 
 import hypothesis.strategies as st
 import jax
@@ -14,7 +13,8 @@ from hypothesis import given, settings
 
 import autocast
 from autocast._src.policy import dtypes
-from autocast._src.policy.dtypes import _half_dtype_for
+from autocast._src.policy.dtypes import half_dtype_for
+from autocast._src.policy.target import Target
 
 F32, F16, BF16, F64 = (np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64))
 
@@ -218,19 +218,20 @@ def test_half_dtype_on_this_backend():
 
 
 @pytest.mark.parametrize(
-    "device, expected",
+    "target, expected",
     [
-        (SimpleNamespace(platform="cpu"), BF16),
-        (SimpleNamespace(platform="tpu"), BF16),
-        (SimpleNamespace(platform="gpu", compute_capability="7.5"), F16),
-        (SimpleNamespace(platform="gpu", compute_capability="7.0"), F16),
-        (SimpleNamespace(platform="gpu", compute_capability="8.0"), BF16),
-        (SimpleNamespace(platform="gpu", compute_capability="9.0"), BF16),
-        (SimpleNamespace(platform="gpu"), BF16),  # e.g. ROCm: no CUDA capability reported
+        (Target("cpu", "cpu"), BF16),
+        (Target("tpu", "TPU v5 lite"), BF16),
+        (Target("gpu", "Tesla T4", "7.5"), F16),
+        (Target("gpu", "Tesla V100-SXM2-16GB", "7.0"), F16),
+        (Target("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), BF16),
+        (Target("gpu", "NVIDIA H100 80GB HBM3", "9.0"), BF16),
+        (Target("gpu", "AMD Instinct MI300X", "gfx942"), BF16),  # ROCm's numbering
+        (Target("gpu", "some GPU"), BF16),  # no capability known
     ],
 )
-def test_half_dtype_by_device(device, expected):
-    assert _half_dtype_for(device) == expected
+def test_half_dtype_by_device(target, expected):
+    assert half_dtype_for(target) == expected
 
 
 # --- bad input: each error names the culprit and says what is accepted ----------------------

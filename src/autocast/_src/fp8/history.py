@@ -413,7 +413,7 @@ class DelayedFp8:
                 f"amp_fp8_delayed: the first argument must be an Fp8History (from init), got "
                 f"{type(state).__name__}"
             )
-        ctx = self._amp._context()
+        ctx = self._amp._context(args, kwargs)
         traced, dyn = self._amp._traced_call(args, kwargs, ctx)
         program = self._program(traced)
         if state.program != program:
@@ -452,7 +452,7 @@ class DelayedFp8:
                 the history's static structure, so it needs concrete arguments (``init``
                 compiles its own step).
         """
-        ctx = self._amp._context()
+        ctx = self._amp._context(args, kwargs)
         traced, dyn = self._amp._traced_call(args, kwargs, ctx)
         if any(isinstance(x, jax.core.Tracer) for x in dyn):
             raise TypeError(
@@ -564,7 +564,7 @@ class DelayedFp8:
                 f"or an Fp8History; got {type(saved).__name__}"
                 + (f" with keys {sorted(saved)}" if hasattr(saved, "keys") else "")
             )
-        ctx = self._amp._context()
+        ctx = self._amp._context(args, kwargs)
         traced, dyn = self._amp._traced_call(args, kwargs, ctx)
         program = self._program(traced)
         if not np.array_equal(_host(saved["program_id"]), _program_words(program)):

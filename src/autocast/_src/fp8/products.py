@@ -37,6 +37,7 @@ from autocast._src.policy.precision import (
     PrecisionFn,
     use_compute_precision,
 )
+from autocast._src.policy.target import Target
 
 _F32 = np.dtype(np.float32)
 
@@ -44,7 +45,7 @@ _F32 = np.dtype(np.float32)
 CARRIER = np.dtype(jnp.bfloat16)
 
 # Forward format -> the format of the output gradients in the backward products. e5m2
-# forward means e5m2 everywhere (refused on NVIDIA's GPUs: see _check_runs_in_float8); the
+# forward means e5m2 everywhere (refused on NVIDIA's GPUs: see float8_refusal); the
 # "fnuz" formats (AMD's, no infinities, no -0) pair up.
 GRADIENT_FORMAT: dict[np.dtype, np.dtype] = {
     np.dtype(jnp.float8_e4m3fn): np.dtype(jnp.float8_e5m2),
@@ -86,7 +87,7 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
 
     ``"fp8"``, ``"float8"`` and ``float8_e4m3fn`` give e4m3 forward and e5m2 gradients;
     ``float8_e5m2`` gives e5m2 for both (which ``amp`` refuses on an NVIDIA GPU, see
-    :func:`_check_runs_in_float8`); the ``fnuz`` variants likewise with their own pair.
+    :func:`float8_refusal`); the ``fnuz`` variants likewise with their own pair.
     Anything that is no floating dtype at all is refused as ``amp`` refuses it.
     """
     if isinstance(compute_dtype, Recipe):
@@ -748,44 +749,61 @@ def rule_of(recipe: Recipe) -> PrecisionFn:
     return rule
 
 
-def _has_float8_gemms(devices: Sequence[Any]) -> bool:
-    """Whether ``devices`` are NVIDIA GPUs with float8 GEMMs: compute capability 8.9 (Ada
-    Lovelace) and up. Another GPU's ``compute_capability`` (AMD's ``gfx942``) is no such
-    pair of numbers."""
-    for device in devices:
-        try:
-            major, minor = (int(p) for p in str(device.compute_capability).split(".")[:2])
-        except (AttributeError, ValueError):
-            continue
-        if device.platform == "gpu" and (major, minor) >= (8, 9):
-            return True
-    return False
+# NVIDIA's float8 GEMMs start with Ada Lovelace and Hopper.
+_NVIDIA_FLOAT8 = (8, 9)
 
 
-def _float8_gemm_devices() -> bool:
-    """Whether JAX's default devices have NVIDIA's float8 GEMMs (a CPU has none)."""
-    return _has_float8_gemms(jax.devices())
-
-
-# e5m2 x e5m2: every product of ``compute_dtype=jnp.float8_e5m2``, forward and backward.
-_E5M2 = np.dtype(jnp.float8_e5m2)
-
-
-def _check_runs_in_float8(recipe: Recipe) -> None:
-    """Refuses a recipe whose products no float8 GEMM of the default devices takes. NVIDIA's
-    cuBLASLt multiplies e4m3 by e4m3 or by e5m2 but not e5m2 by e5m2: XLA gives such a dot
-    to a bfloat16 cuBLASLt GEMM after converting both operands (planned for an H200 with
-    Triton GEMM fusions off; with them on, to a Triton kernel no GPU has measured), so the
-    recipe would run slower than bfloat16 and say it ran in float8. On a CPU, where every
-    float8 product is converted anyway, it runs, so its numerics can still be studied."""
-    if recipe.forward == recipe.gradient == _E5M2 and _float8_gemm_devices():
-        raise ValueError(
+def float8_refusal(recipe: Recipe, target: Target) -> str | None:
+    """Why ``recipe``'s products cannot run as float8 products on ``target``, or None where
+    they can, or where the device is not known to lack them (a CPU converts every float8
+    product, so its numerics can be studied there; an AMD GPU is not checked)."""
+    asked = f"compute_dtype {recipe.forward.name}" + (
+        " (the 'fp8' recipe)" if recipe == DEFAULT_RECIPE else ""
+    )
+    if target.multiplies(recipe.forward) is False:
+        return (
+            f"{asked} on a {target.kind}: its matrix units multiply bfloat16, not float8 (the "
+            "first TPU with float8 products is Ironwood, TPU7x): the compiler widens float8 "
+            "operands to float32 and multiplies them with float32 instructions, twice "
+            "bfloat16's (benchmarks/tpu_products.py), slower than bfloat16 and less precise. "
+            "Use compute_dtype=jnp.bfloat16 (amp's default there)"
+        )
+    capability = target.nvidia_capability
+    if capability is None:
+        return None
+    if capability < _NVIDIA_FLOAT8:
+        return (
+            f"{asked} on an {target.kind} (compute capability {target.capability}): it has "
+            "no float8 GEMMs (NVIDIA's start at compute capability 8.9, Ada Lovelace and "
+            "Hopper), so XLA would widen each float8 operand and multiply in 16 bits. Use "
+            "compute_dtype=jnp.bfloat16"
+            + (" (amp's default there)" if capability >= (8, 0) else " or jnp.float16")
+        )
+    if recipe.forward == recipe.gradient == _E5M2:
+        # cuBLASLt multiplies e4m3 by e4m3 or by e5m2 but not e5m2 by e5m2: XLA gives such a
+        # dot to a bfloat16 GEMM after converting both operands (planned for an H200 with
+        # Triton GEMM fusions off; with them on, to a Triton kernel no GPU has measured).
+        return (
             "compute_dtype float8_e5m2 multiplies e5m2 by e5m2 in every product, and an NVIDIA "
             "GPU has no float8 GEMM for that pair (cuBLASLt needs one e4m3 operand; XLA runs "
             "both to bfloat16 for its GEMM instead). Use compute_dtype='fp8' "
             "(float8_e4m3fn): e4m3 operands forward and e5m2 output gradients against them "
             "backward, each product a float8 GEMM"
         )
+    return None
+
+
+# e5m2 x e5m2: every product of ``compute_dtype=jnp.float8_e5m2``, forward and backward.
+_E5M2 = np.dtype(jnp.float8_e5m2)
+
+
+def check_runs_in_float8(recipe: Recipe, target: Target) -> None:
+    """Refuses ``recipe`` where ``target`` has no float8 product for it
+    (:func:`float8_refusal`): the recipe would run slower than bfloat16 and say it ran in
+    float8."""
+    why = float8_refusal(recipe, target)
+    if why is not None:
+        raise ValueError(why)
 
 
 def with_fp8_products(
@@ -793,9 +811,8 @@ def with_fp8_products(
 ) -> dict[PolicyKey, PrecisionFn]:
     """``policy`` with each matrix-product primitive it runs in the compute dtype run by
     ``recipe`` instead. Rows that say something else (a user's float32 ``dot_general``) and
-    named scopes are kept as they are. A recipe no float8 GEMM of the default devices runs
-    is refused (:func:`_check_runs_in_float8`)."""
-    _check_runs_in_float8(recipe)
+    named scopes are kept as they are. Whether the device the program is traced for runs
+    them is asked at each call (:func:`check_runs_in_float8`)."""
     fp8_rule = rule_of(recipe)
     changed = dict(policy)
     for name in PRODUCTS:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autocast._src.policy.target import Target, target_of
 from autocast._src.tree import map_floating
 
 T = TypeVar("T")
@@ -127,22 +127,24 @@ def parse_dtype(value: str) -> np.dtype:
     return dtype
 
 
-def _half_dtype_for(device: Any) -> np.dtype:
-    # float16 only where bfloat16 arithmetic is missing: NVIDIA GPUs before Ampere (sm_80).
-    capability = getattr(device, "compute_capability", None)
-    if device.platform in ("gpu", "cuda") and capability is not None:
-        major = int(str(capability).split(".")[0])
-        if major < 8:
-            return np.dtype(jnp.float16)
+def half_dtype_for(target: Target) -> np.dtype:
+    """The 16-bit float ``target`` runs fastest: float16 only where bfloat16 arithmetic is
+    missing, on NVIDIA GPUs before Ampere (compute capability 8.0)."""
+    capability = target.nvidia_capability
+    if capability is not None and capability < (8, 0):
+        return np.dtype(jnp.float16)
     return np.dtype(jnp.bfloat16)
 
 
 def half_dtype() -> np.dtype:
-    """The 16-bit float the default backend runs fastest: bfloat16, or float16 on old GPUs.
+    """The 16-bit float the current device runs fastest: bfloat16, or float16 on old GPUs.
 
     bfloat16 on TPU, CPU and GPUs that have bfloat16 arithmetic (NVIDIA Ampere and newer, AMD);
-    float16 on NVIDIA GPUs older than Ampere. The answer is read from the first device of the
-    default backend, ``jax.devices()[0]``, at each call.
+    float16 on NVIDIA GPUs older than Ampere. The device is the one of the mesh set by
+    ``jax.set_mesh`` where that mesh names its devices, else JAX's default device,
+    ``jax.devices()[0]``, read at each call. :func:`autocast.amp` decides the same way for
+    the device its arguments are placed on (a TPU step planned from a CPU gets the TPU's
+    answer).
 
     Returns:
         ``numpy.dtype(jnp.bfloat16)`` or ``numpy.dtype(jnp.float16)``.
@@ -152,7 +154,7 @@ def half_dtype() -> np.dtype:
         >>> autocast.half_dtype() in (jnp.bfloat16, jnp.float16)
         True
     """
-    return _half_dtype_for(jax.devices()[0])
+    return half_dtype_for(target_of())
 
 
 def cast_tree(dtype: Any, tree: T) -> T:

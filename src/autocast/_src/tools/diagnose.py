@@ -238,7 +238,7 @@ def diagnose(
 
     def run(*args: Any, **kwargs: Any) -> Diagnosis:
         args, kwargs = _on_one_device((args, kwargs))
-        base = amp_fn._context()
+        base = amp_fn._context(args, kwargs)
         traced, values = amp_fn._traced_call(args, kwargs, base)
         _refuse_refs(traced.jaxpr)
         sites: list[paired.Site] = []

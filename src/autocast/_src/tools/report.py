@@ -245,7 +245,7 @@ def report(
 
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
-        base = amp_fn._context()
+        base = amp_fn._context(args, kwargs)
         traced = amp_fn._trace(in_tree, leaves, dynamic, base)
         ctx = dataclasses.replace(base, observer=observe)
         amp_jaxpr = jax.make_jaxpr(traced.evaluate(ctx))(*[leaves[i] for i in dynamic])

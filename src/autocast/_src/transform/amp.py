@@ -15,9 +15,10 @@ import jax
 from autocast import _compat
 from autocast._src.fp8 import products as fp8
 from autocast._src.policy.casting import cast_value
-from autocast._src.policy.dtypes import canonicalize_float_dtype, half_dtype
+from autocast._src.policy.dtypes import canonicalize_float_dtype, half_dtype_for
 from autocast._src.policy.precision import is_compute_rule
 from autocast._src.policy.table import changes_no_dtype, default_amp_policy
+from autocast._src.policy.target import emulated_compute_refusal, target_of
 from autocast._src.transform import (
     closures,
     entry_points,
@@ -206,7 +207,7 @@ class _Settings:
         if self.fp8_recipe is not None:
             compute_dtype = fp8.CARRIER
             policy = fp8.with_fp8_products(policy, self.fp8_recipe)
-        # None until the first call resolves it (half_dtype), not at decoration time
+        # None: each call's device decides (half_dtype_for the call's target)
         self.compute_dtype = (
             None
             if compute_dtype is None
@@ -336,11 +337,20 @@ class _Amp:
         new._bind(same.fn if same is not None else children[0], settings)
         return new
 
-    def _context(self) -> Context:
-        if self._settings.compute_dtype is None:  # resolved on first call
-            self._settings.compute_dtype = half_dtype()
+    def _context(self, args: tuple = (), kwargs: dict | None = None) -> Context:
+        """The context of a call with ``args`` and ``kwargs``: the device they are placed on
+        decides the compute dtype left to amp and whether a float8 recipe runs there
+        (:mod:`autocast._src.policy.target`)."""
+        target = target_of(self._arguments(args, kwargs or {}))
+        recipe = self._settings.fp8_recipe
+        if recipe is not None:
+            fp8.check_runs_in_float8(recipe, target)
+        compute_dtype = self._compute_dtype or half_dtype_for(target)
+        refused = emulated_compute_refusal(compute_dtype, target)
+        if refused is not None:
+            raise ValueError(refused)
         return Context(
-            compute_dtype=self._compute_dtype,
+            compute_dtype=compute_dtype,
             policy=self._policy,
             scope_keys=self._scope_keys,
             scopes=tuple(s for s in _compat.current_scope_names() if s in self._scope_keys),
@@ -414,7 +424,7 @@ class _Amp:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _outer_amp_tracing():
             return self._fn(*args, **kwargs)
-        ctx = self._context()
+        ctx = self._context(args, kwargs)
         traced, args_in = self._traced_call(args, kwargs, ctx)
         if any(isinstance(x, jax.core.Tracer) for x in args_in):
             outs = traced.evaluate(ctx)(*args_in)

@@ -35,6 +35,7 @@ import numpy as np
 
 from autocast import _compat
 from autocast._src.policy.casting import cast_value, castable
+from autocast._src.policy.target import target_of
 from autocast._src.tree import is_array
 
 RESTORE_SCOPE = "amp_entry_output"
@@ -166,10 +167,13 @@ def in_compute_dtype(
 
 def fused_attention_possible(*args: Any, implementation: str | None = None, **kwargs: Any) -> bool:
     """Whether a ``jax.nn.dot_product_attention`` call may run cuDNN's fused kernel: asked
-    for, or left to JAX's choice on a GPU. Its XLA path is plain JAX that amp's own policy
-    runs better (16-bit residuals around float32 softmax statistics) than at the compute
-    dtype, where it keeps float32 probabilities for the backward pass."""
-    return implementation == "cudnn" or (implementation is None and jax.default_backend() == "gpu")
+    for, or left to JAX's choice on a GPU (the device its arguments are placed on). Its XLA
+    path is plain JAX that amp's own policy runs better (16-bit residuals around float32
+    softmax statistics) than at the compute dtype, where it keeps float32 probabilities for
+    the backward pass."""
+    if implementation is not None:
+        return implementation == "cudnn"
+    return target_of((args, kwargs)).platform == "gpu"
 
 
 # Public JAX functions that are entry points, and for which calls: marked in place when
