@@ -104,6 +104,10 @@ docs: $(VENV)/.installed
 gpu-plan: $(GPU_PLAN_VENV)/.installed
 	$(GPU_PLAN_VENV)/bin/python benchmarks/gpu_plan.py $(PLAN_ARGS)
 
+tpu-plan: $(TPU_PLAN_VENV)/.installed
+	$(TPU_PLAN_VENV)/bin/python benchmarks/tpu_products.py
+	$(TPU_PLAN_VENV)/bin/python benchmarks/gpu_plan.py --target tpu $(PLAN_ARGS)
+
 test: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,7 @@ images whose orientation is the class.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -70,7 +71,8 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str, hand: Any) -
     if kind != "naive":  # "cudnn", or "xla" (JAX's own fused-attention path, any dtype)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kind)
     t, c = q.shape[1], q.shape[-1]
-    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) / np.sqrt(c)
+    # a Python float keeps the scores' dtype (NumPy's float64 scalar would make them float32)
+    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(c)
     scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
     if hand is not None:
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(hand)

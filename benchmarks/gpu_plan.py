@@ -1,5 +1,5 @@
-"""Every GPU program of the benchmarks, planned on a machine without a GPU: the memory XLA
-plans for it, the buffers live at its peak, and the kernels it chose.
+"""Every GPU (or TPU) program of the benchmarks, planned on a machine without one: the memory
+XLA plans for it, the buffers live at its peak, and the kernels it chose.
 
 JAX compiles for a GPU it does not have: with the CUDA plugin installed (``make gpu-plan``
 builds ``.venv-gpu-plan``, the JAX of ``.venv`` and its plugin), a topology made from a
@@ -31,8 +31,18 @@ docs/benchmarks.md has a device figure for the row, planned / measured.
 
 ``--tiny`` plans the CPU-sized models in seconds (the tests run it).
 
+TPU targets (``--target tpu``, ``make tpu-plan``; ``.venv-tpu-plan`` holds libtpu): one chip
+of a v5e, v5p or v6e host (``--devices v5e,v5p,v6e``), compile-only devices from
+``jax.experimental.topologies``, the TPU compiler run whole. Per row: the planned peak and
+temporaries, or the compiler's refusal with the bytes that did not fit; the largest buffers
+live at the peak with the user's line; every dot and convolution by its operand types; the
+compile time. "fused" attention on a TPU is ``jax.nn.dot_product_attention``'s XLA path.
+The compiler's time estimate (``cost_analysis()["optimal_seconds"]``) is left out: it came
+back negative for scanned and float8 programs, and counts a loop body once.
+
 Run: ``make gpu-plan`` or ``.venv-gpu-plan/bin/python benchmarks/gpu_plan.py [--tiny]
-[--rows ...] [--devices H100,H200] [--triton on,off] [--json PATH]``
+[--rows ...] [--devices H100,H200] [--triton on,off] [--json PATH]``; ``make tpu-plan`` or
+``.venv-tpu-plan/bin/python benchmarks/gpu_plan.py --target tpu [--tiny] [--devices ...]``
 """
 
 from __future__ import annotations
@@ -59,12 +69,16 @@ sys.path.insert(0, str(HERE))
 import gpu_step  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import xla_program  # noqa: E402
 
 from autocast._src.tools import measure  # noqa: E402
 
 MiB = 2**20
 DEVICES = {"H100": "h100_sxm.txtpb", "H200": "h200_sxm.txtpb"}
+# TPU targets: one chip of a host's topology (libtpu makes no smaller one), with the
+# compiler's own figure of each chip's memory when it refuses a program.
+TPUS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
 # Device peaks measured on one H200 (docs/benchmarks.md, "On a GPU"; JAX 0.11.2, the
 # library at commit 2e4a7d8, before recomputed chains): MiB, by row.
@@ -136,6 +150,18 @@ DEFAULT_ROWS = (
     *[("linear", v, "-") for v in LINEAR_VARIANTS],
 )
 
+# A TPU's rows (make tpu-plan): gpu_step.py's models with attention written out and through
+# jax.nn.dot_product_attention (XLA's path there), the variants the issue of TPU plans names.
+TPU_ROWS = (
+    *[
+        (m, v, a)
+        for m in ("GPT-2 small", "GPT-2 medium", "decoder 24x2048")
+        for a in ("naive", "fused")
+        for v in ("hand bf16", "amp bf16", "amp bf16 state16", "amp bf16 moments8")
+    ],
+    *[("ResNet-18", v, "-") for v in ("float32", "flax bf16", "amp bf16")],
+)
+
 
 # ---- the devices -----------------------------------------------------------------------------
 
@@ -157,9 +183,14 @@ def _versions() -> str:
 
 @functools.lru_cache(maxsize=None)
 def sharding(device: str) -> jax.sharding.NamedSharding:
-    """A replicated sharding on one compile-only ``device`` (a name of :data:`DEVICES`)."""
+    """A replicated sharding on one compile-only ``device`` (a name of :data:`DEVICES` or
+    :data:`TPUS`; a TPU needs libtpu, ``make tpu-plan``'s venv)."""
     from jax.experimental import topologies
 
+    if device in TPUS:
+        chips = topologies.get_topology_desc(topology_name=TPUS[device], platform="tpu").devices
+        mesh = jax.sharding.Mesh(np.array(chips[:1]), ("x",))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     config = (HERE / "gpu_devices" / DEVICES[device]).read_text() + "\n" + _versions()
     topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
     mesh = topologies.make_mesh(topology, (1,), ("x",))
@@ -226,15 +257,18 @@ def _linear(config: dict, variant: str) -> tuple[Callable, tuple]:
     return jax.jit(step), (x, w)
 
 
-def program(model: str, variant: str, attention: str, tiny: bool) -> tuple[Callable, tuple]:
-    """The jitted function of one row and its abstract arguments."""
+def program(
+    model: str, variant: str, attention: str, tiny: bool, gpu: bool = True
+) -> tuple[Callable, tuple]:
+    """The jitted function of one row and its abstract arguments; ``gpu`` False for a TPU
+    (fused attention is then ``jax.nn.dot_product_attention``'s XLA path, not cuDNN's)."""
     if model in MLP:
         return _mlp((MLP_TINY if tiny else MLP)[model], variant)
     if model in LINEAR:
         return _linear((LINEAR_TINY if tiny else LINEAR)[model], variant)
     config = (gpu_step.TINY if tiny else gpu_step.MODELS)[model]
     if config["kind"] == "gpt":
-        step, state, _ = gpu_step._gpt_step(config, variant, attention, abstract=True, gpu=True)
+        step, state, _ = gpu_step._gpt_step(config, variant, attention, abstract=True, gpu=gpu)
     else:
         step, state, _ = gpu_step._resnet_step(config, variant, abstract=True)
     return step, (*state, jax.ShapeDtypeStruct((), jnp.int32))
@@ -256,17 +290,23 @@ def known_rows() -> dict[str, tuple[str, ...]]:
 def plan(
     fn: Callable, args: tuple, device: str, triton: bool, buffers: int = 8, kernels: int = 8
 ) -> dict:
-    """Compiles ``fn`` on ``args`` for ``device`` and reads what XLA planned."""
+    """Compiles ``fn`` on ``args`` for ``device`` and reads what XLA planned; for a program
+    the compiler refuses (a TPU's, out of memory), ``{"refused": its message}``."""
     where = sharding(device)
+    options: dict[str, Any] = (
+        {}
+        if device in TPUS
+        else {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": triton}
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
-        compiled = fn.lower(*_placed(args, where)).compile(
-            compiler_options={
-                "xla_gpu_autotune_level": 0,
-                "xla_gpu_enable_triton_gemm": triton,
-                "xla_dump_to": dump,
-            }
-        )
+        lowered = fn.lower(*_placed(args, where))
+        try:
+            compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
+        except Exception as e:  # noqa: BLE001 - XlaRuntimeError: the compiler's refusal
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return {"compile_s": time.perf_counter() - start, "refused": _refusal(str(e))}
         read = xla_program.read(dump)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
@@ -303,6 +343,7 @@ def plan(
             for (kind, detail, source), n in gemms.most_common()
         ],
         "float8_passes": xla_program.float8_passes(read),
+        "products": dict(xla_program.product_operand_types(read).most_common()),
         "heaviest": [
             {
                 "kind": k.kind,
@@ -317,11 +358,21 @@ def plan(
     }
 
 
+def _refusal(message: str) -> str:
+    """The line of a compiler's refusal that says what did not fit."""
+    lines = [line.strip() for line in message.splitlines() if "exceed" in line or "HBM" in line]
+    return (lines or [message.strip().splitlines()[0]])[0][:300]
+
+
 # ---- the table -------------------------------------------------------------------------------
 
 
 def _gemm_summary(p: dict) -> str:
-    """Launches per GEMM kind, float8 ones with their output type and scales."""
+    """Launches per GEMM kind, float8 ones with their output type and scales; for a TPU's
+    program, its dots and convolutions by operand types, and its compile time."""
+    if not p["gemms"] and "cuDNN attention" not in p["kernels"]:
+        products = "; ".join(f"{n} {types}" for types, n in p["products"].items())
+        return f"products {products or 'none'}; compiled in {p['compile_s']:.0f} s"
     counts: collections.Counter = collections.Counter()
     for g in p["gemms"]:
         short = {
@@ -381,17 +432,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument(
         "--rows", default="", help="'MODEL/VARIANT/ATTENTION;...' (default: every default row)"
     )
-    parser.add_argument("--devices", default="H100,H200", help=f"of {', '.join(DEVICES)}")
+    parser.add_argument(
+        "--target", default="gpu", choices=("gpu", "tpu"), help="the default devices and rows"
+    )
+    parser.add_argument(
+        "--devices", default="", help=f"of {', '.join([*DEVICES, *TPUS])} (default: by --target)"
+    )
     parser.add_argument(
         "--triton",
         default="",
         help="Triton GEMM fusions 'on', 'off' or 'on,off' (default: on; both for the linear rows)",
     )
     parser.add_argument("--brief", action="store_true", help="the table only, no details")
-    parser.add_argument("--json", default=str(HERE / "gpu_plan.json"))
+    parser.add_argument("--json", default="", help="default: benchmarks/{gpu,tpu}_plan.json")
     options = parser.parse_args(argv)
+    options.json = options.json or str(HERE / f"{options.target}_plan.json")
     known = known_rows()
-    rows = DEFAULT_ROWS
+    rows = TPU_ROWS if options.target == "tpu" else DEFAULT_ROWS
     if options.rows:
         rows = []
         for text in options.rows.split(";"):
@@ -402,32 +459,43 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     + "; ".join(f"{m}: {', '.join(v)}" for m, v in known.items())
                 )
             rows.append(parts)
-    devices = [d.strip() for d in options.devices.split(",") if d.strip()]
-    unknown = [d for d in devices if d not in DEVICES]
+    default = ",".join(TPUS) if options.target == "tpu" else "H100,H200"
+    devices = [d.strip() for d in (options.devices or default).split(",") if d.strip()]
+    unknown = [d for d in devices if d not in DEVICES and d not in TPUS]
     if unknown:
-        parser.error(f"--devices: unknown {', '.join(unknown)}; choose from {', '.join(DEVICES)}")
+        parser.error(
+            f"--devices: unknown {', '.join(unknown)}; choose from {', '.join([*DEVICES, *TPUS])}"
+        )
     settings = [s.strip() for s in options.triton.split(",") if s.strip()]
     if any(s not in ("on", "off") for s in settings):
         parser.error("--triton takes 'on', 'off' or 'on,off'")
     print(
-        f"jax {jax.__version__}, compiled for {', '.join(devices)} with no GPU (autotuning off)"
-        + (", tiny models" if options.tiny else "")
+        f"jax {jax.__version__}, compiled for {', '.join(devices)} with no GPU or TPU "
+        "(a GPU's autotuning off)" + (", tiny models" if options.tiny else "")
     )
     results: dict[str, Any] = {}
     table = []
     for model, variant, attention in rows:
-        fn, args = program(model, variant, attention, options.tiny)
+        programs = {}
         tritons = settings or (["on", "off"] if model in LINEAR else ["on"])
         for device in devices:
-            for triton in tritons:
-                label = f"{model} / {variant} / {attention} / {device} / Triton GEMM {triton}"
+            gpu = device not in TPUS
+            if gpu not in programs:
+                programs[gpu] = program(model, variant, attention, options.tiny, gpu=gpu)
+            fn, args = programs[gpu]
+            for triton in tritons if gpu else ["-"]:
+                label = f"{model} / {variant} / {attention} / {device}" + (
+                    f" / Triton GEMM {triton}" if gpu else ""
+                )
                 p = plan(fn, args, device, triton == "on")
                 measured = None
                 if not options.tiny and device in MEASUREMENTS and triton == "on":
                     measured = MEASUREMENTS[device][1].get((model, variant, attention))
                 p["measured_mib"] = measured
                 results[label] = p
-                if not options.brief:
+                if "refused" in p:
+                    print(f"\n== {label}\nrefused by the compiler: {p['refused']}")
+                elif not options.brief:
                     _print_details(label, p, measured, device)
                 table.append((model, variant, attention, device, triton, p, measured))
                 Path(options.json).write_text(json.dumps(results, indent=1))
@@ -436,6 +504,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{'temp MiB':>9} {'measured':>8} {'plan/meas':>9}  GEMMs and cuDNN calls per step"
     )
     for model, variant, attention, device, triton, p, measured in table:
+        if "refused" in p:
+            print(
+                f"{model:18} {variant:16} {attention:5} {device:6} {triton:6} "
+                f"refused: {p['refused']}"
+            )
+            continue
         ratio = f"{p['peak_mib'] / measured:.3f}" if measured else "-"
         print(
             f"{model:18} {variant:16} {attention:5} {device:6} {triton:6} {p['peak_mib']:9.0f} "

@@ -16,6 +16,7 @@ operands, what it writes the sum of its results (a GEMM's scratch workspace left
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -349,6 +350,16 @@ def _operand_types(program: Program, ins: Instruction) -> list[str]:
         if producer is not None and producer.outputs:
             types.append(producer.outputs[0].dtype)
     return types
+
+
+def product_operand_types(program: Program) -> collections.Counter:
+    """Every dot and convolution of the program, inside fusions too, by its operand types
+    ("bf16 x bf16"), each counted once per appearance in the program (a loop body's once)."""
+    counts: collections.Counter = collections.Counter()
+    for ins in program.instructions.values():
+        if ins.opcode in ("dot", "convolution", "scaled-dot"):
+            counts[" x ".join(_operand_types(program, ins))] += 1
+    return counts
 
 
 def _gemm_detail(program: Program, ins: Instruction, kind: str) -> str:

@@ -6,11 +6,20 @@ CUDA plugin is 5.5 GB, so the suite does not install it)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
-from conftest import gpu_plans, in_gpu_plan_venv, load_script, needs_gpu_plan_venv
+from conftest import (
+    TPU_PLAN_VENV,
+    gpu_plans,
+    in_gpu_plan_venv,
+    in_venv,
+    load_script,
+    needs_gpu_plan_venv,
+    needs_tpu_plan_venv,
+)
 
 ROOT = Path(__file__).parents[1]
 xla_program = load_script(ROOT / "benchmarks" / "xla_program.py")
@@ -86,6 +95,23 @@ def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
     for p in (linear, gpt):
         assert p["peak_mib"] > p["temporaries_mib"] > 0 and p["buffers"]
     assert "largest buffers live at the peak" in printed
+
+
+@pytest.mark.slow
+@needs_tpu_plan_venv
+def test_tiny_plans_compile_for_a_tpu_without_one(tmp_path):
+    rows = "GPT-2 small/amp bf16/naive;ResNet-18/amp bf16/-"
+    out = tmp_path / "plan.json"
+    args = ["--target", "tpu", "--tiny", "--devices", "v5e", "--rows", rows, "--json", str(out)]
+    printed = in_venv(TPU_PLAN_VENV, str(ROOT / "benchmarks" / "gpu_plan.py"), *args)
+    plans = json.loads(out.read_text())
+    gpt = plans["GPT-2 small / amp bf16 / naive / v5e"]
+    resnet = plans["ResNet-18 / amp bf16 / - / v5e"]
+    for p in (gpt, resnet):
+        assert p["peak_mib"] > p["temporaries_mib"] > 0 and p["buffers"]
+        # every dot and convolution of amp's steps takes bfloat16 operands
+        assert set(p["products"]) == {"bf16 x bf16"}, p["products"]
+    assert "products 21 bf16 x bf16" in printed
 
 
 # Compiles for an H100 with no GPU: how many conversions a round trip through bfloat16 keeps,
