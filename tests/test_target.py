@@ -210,3 +210,16 @@ def test_attention_may_take_cudnn_only_when_traced_for_a_gpu():
 
     jax.make_jaxpr(autocast.amp(attention))(*_on(H100, "gpu", shape, shape, shape))
     assert seen and seen[0].platform == "gpu"  # amp's trace keeps the arguments' device
+
+
+def test_calls_on_devices_of_two_compute_dtypes_do_not_share_a_trace(monkeypatch):
+    # concrete arrays carry no device in their type: the trace cache must tell the two apart
+    from autocast._src.transform import amp as amp_module
+    from autocast._src.transform.entry_points import in_compute_dtype
+
+    f = autocast.amp(lambda q, k: jnp.sum(in_compute_dtype(lambda a, b: a @ b)(q, k)))
+    x = jnp.ones((4, 4))
+    # a new function each time: make_jaxpr keeps its own trace per function
+    assert _product_dtypes(jax.make_jaxpr(lambda a: f(a, a))(x)) == {"bfloat16"}
+    monkeypatch.setattr(amp_module, "target_of", lambda *trees: Target("gpu", V100, "7.0"))
+    assert _product_dtypes(jax.make_jaxpr(lambda a: f(a, a))(x)) == {"float16"}

@@ -380,9 +380,17 @@ class _Amp:
             for i in range(len(leaves))
             if i not in dyn
         )
-        # the caller's scopes decide, with the compute dtype, what entry points trace in; JAX's
-        # settings what fn traces to (jax_remat3 makes jax.checkpoint another operation)
-        key = (in_tree, tuple(specs), statics, ctx.scopes, _compat.trace_context())
+        # the caller's scopes and the compute dtype (the call's device may decide it) decide
+        # what entry points trace in; JAX's settings what fn traces to (jax_remat3 makes
+        # jax.checkpoint another operation)
+        key = (
+            in_tree,
+            tuple(specs),
+            statics,
+            ctx.scopes,
+            ctx.compute_dtype,
+            _compat.trace_context(),
+        )
         try:
             hit = self._traces.get(key)
         except TypeError:  # an unhashable static leaf: trace every time, as jax.jit would refuse
