@@ -367,10 +367,10 @@ def _refusal(message: str) -> str:
 # ---- the table -------------------------------------------------------------------------------
 
 
-def _gemm_summary(p: dict) -> str:
+def _gemm_summary(p: dict, tpu: bool = False) -> str:
     """Launches per GEMM kind, float8 ones with their output type and scales; for a TPU's
     program, its dots and convolutions by operand types, and its compile time."""
-    if not p["gemms"] and "cuDNN attention" not in p["kernels"]:
+    if tpu:
         products = "; ".join(f"{n} {types}" for types, n in p["products"].items())
         return f"products {products or 'none'}; compiled in {p['compile_s']:.0f} s"
     counts: collections.Counter = collections.Counter()
@@ -513,7 +513,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ratio = f"{p['peak_mib'] / measured:.3f}" if measured else "-"
         print(
             f"{model:18} {variant:16} {attention:5} {device:6} {triton:6} {p['peak_mib']:9.0f} "
-            f"{p['temporaries_mib']:9.0f} {measured or '-':>8} {ratio:>9}  {_gemm_summary(p)}"
+            f"{p['temporaries_mib']:9.0f} {measured or '-':>8} {ratio:>9}  "
+            + _gemm_summary(p, device in TPUS)
         )
     if not options.tiny:
         print(

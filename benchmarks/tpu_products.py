@@ -26,7 +26,8 @@ from typing import Sequence
 
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float32")
-# An instruction of the low-level program: a matrix product or a conversion, with its types.
+# An instruction of the low-level program: a matrix product or a conversion, with its types
+# (the matrix unit it runs on, ``.mxu0`` and so on, is left out).
 _INSTRUCTION = re.compile(r"\b(vmatmul(?:\.mubr)?\.[a-z0-9]+|vcvt\.[a-z0-9]+\.[a-z0-9]+)")
 
 # Compiles one product in a fresh process: libtpu reads its dump flags when it starts.
@@ -69,7 +70,6 @@ def instructions(topology: str, dtype: str) -> tuple[str, dict[str, int]]:
         for path in Path(dump).rglob("*"):
             if path.is_file():
                 counts.update(_INSTRUCTION.findall(path.read_text(errors="replace")))
-    # the matrix unit a product ran on (mxu0, ...) is not part of the kind
     return kind, dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 

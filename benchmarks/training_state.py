@@ -258,7 +258,7 @@ def compile_seconds(choice: Choice, params: Any, where: Any = None) -> dict[str,
         return jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=where)
 
     typed = jax.tree_util.tree_map(
-        lambda p: shaped(jax.ShapeDtypeStruct(p.shape, choice.params)), params
+        lambda p: jax.ShapeDtypeStruct(p.shape, choice.params, sharding=where), params
     )
     tx = optimizer(choice, 1000)
     state = jax.tree_util.tree_map(shaped, jax.eval_shape(tx.init, typed))

@@ -751,6 +751,8 @@ def rule_of(recipe: Recipe) -> PrecisionFn:
 
 # NVIDIA's float8 GEMMs start with Ada Lovelace and Hopper.
 _NVIDIA_FLOAT8 = (8, 9)
+# e5m2 x e5m2: every product of ``compute_dtype=jnp.float8_e5m2``, forward and backward.
+_E5M2 = np.dtype(jnp.float8_e5m2)
 
 
 def float8_refusal(recipe: Recipe, target: Target) -> str | None:
@@ -791,10 +793,6 @@ def float8_refusal(recipe: Recipe, target: Target) -> str | None:
             "backward, each product a float8 GEMM"
         )
     return None
-
-
-# e5m2 x e5m2: every product of ``compute_dtype=jnp.float8_e5m2``, forward and backward.
-_E5M2 = np.dtype(jnp.float8_e5m2)
 
 
 def check_runs_in_float8(recipe: Recipe, target: Target) -> None:

@@ -9,13 +9,15 @@ placed on, found in this order:
 1. the arguments' shardings: a ``jax.Array``'s devices, a ``jax.ShapeDtypeStruct``'s
    sharding, or, under ``jax.jit``, the mesh in a traced value's type (JAX 0.10 and newer
    keep the device kind there; 0.6.2 does not);
-2. the mesh set by ``jax.set_mesh`` / ``jax.sharding.use_mesh``, when it names its devices;
+2. the mesh in use (``jax.set_mesh``, ``jax.sharding.use_abstract_mesh``), when it names
+   its devices;
 3. JAX's default device, ``jax.devices()[0]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -47,7 +49,7 @@ _NVIDIA_CAPABILITIES: dict[str, str] = {
 # operands are widened and multiplied with float32 matrix instructions, twice as many as
 # bfloat16's. A TPU not listed (Ironwood, TPU7x, the first with float8) is refused nothing.
 _TPU_MATRIX_DTYPES: dict[str, frozenset[str]] = dict.fromkeys(
-    ("TPU v4", "TPU v5", "TPU v5p", "TPU v5 lite", "TPU v6 lite"),
+    ("TPU v4", "TPU v5", "TPU v5 lite", "TPU v6 lite"),
     frozenset({"bfloat16"}),
 )
 
@@ -78,10 +80,6 @@ class Target:
             return None
         return jnp.dtype(dtype).name in _TPU_MATRIX_DTYPES[self.kind]
 
-    def __str__(self) -> str:
-        capability = f", compute capability {self.capability}" if self.capability else ""
-        return f"{self.kind} ({self.platform}{capability})"
-
 
 def _platform(name: str) -> str:
     # CUDA and ROCm devices are "gpu" to JAX's arrays, by name to some plugins and meshes
@@ -97,6 +95,7 @@ def _of_device(device: Any) -> Target:
     )
 
 
+@functools.lru_cache(maxsize=None)
 def _capability_of_kind(platform: str, kind: str) -> str | None:
     """The compute capability of a GPU known by its kind: a device of this process of that
     kind first, then NVIDIA's models by name."""
