@@ -223,3 +223,25 @@ def test_calls_on_devices_of_two_compute_dtypes_do_not_share_a_trace(monkeypatch
     assert _product_dtypes(jax.make_jaxpr(lambda a: f(a, a))(x)) == {"bfloat16"}
     monkeypatch.setattr(amp_module, "target_of", lambda *trees: Target("gpu", V100, "7.0"))
     assert _product_dtypes(jax.make_jaxpr(lambda a: f(a, a))(x)) == {"float16"}
+
+
+@needs_device_kinds
+def test_an_equinox_module_planned_for_a_tpu_decides_as_there():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(16, 4, 32, depth=2, key=jax.random.key(0))
+    where = jax.sharding.NamedSharding(_mesh(TPU_V5E, "tpu"), jax.sharding.PartitionSpec())
+    placed = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where) if eqx.is_array(a) else a,
+        model,
+    )
+    params, static = eqx.partition(placed, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+    (x,) = _on(TPU_V5E, "tpu", (8, 16))
+
+    def loss(params, x, compute_dtype=None):
+        m = eqx.combine(params, static)
+        return jnp.sum(jax.vmap(autocast.amp(m, compute_dtype=compute_dtype))(x))
+
+    grads = jax.make_jaxpr(eqx.filter_grad(loss))(params, x)
+    assert _product_dtypes(grads) == {"bfloat16"}
+    with pytest.raises(ValueError, match="TPU v5 lite"):
+        jax.make_jaxpr(eqx.filter_grad(lambda p, x: loss(p, x, "fp8")))(params, x)
