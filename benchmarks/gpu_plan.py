@@ -1,14 +1,14 @@
 """Every GPU (or TPU) program of the benchmarks, planned on a machine without one: the memory
 XLA plans for it, the buffers live at its peak, and the kernels it chose.
 
-JAX compiles for a GPU it does not have: with the CUDA plugin installed (``make gpu-plan``
-builds ``.venv-gpu-plan``, the JAX of ``.venv`` and its plugin), a topology made from a
-device description (``gpu_devices/*.txtpb``: an H100 and an H200, from public figures) gives
-compile-only devices, and ``jit(...).lower(...).compile()`` on arguments placed there runs
-XLA's whole GPU pipeline: fusion, the GEMM rewriters, cuDNN's attention and convolutions,
-scheduling and buffer assignment. Nothing runs, so a plan says nothing of time; autotuning is
-off (there is no device to time kernels on), so where XLA would choose between a Triton GEMM
-and cuBLAS by timing them, the plan shows its untuned choice (``--triton off`` shows
+Each row is compiled by ``autocast.plan`` (docs/planning.md), which compiles for a GPU or TPU
+this machine does not have: with the CUDA plugin installed (``make gpu-plan`` builds
+``.venv-gpu-plan``, the JAX of ``.venv`` and its plugin), compile-only devices made from a
+device description (an H100 and an H200, from public figures) run XLA's whole GPU
+pipeline: fusion, the GEMM rewriters, cuDNN's attention and convolutions, scheduling and
+buffer assignment. Nothing runs, so a plan says nothing of time; autotuning is off (there is
+no device to time kernels on), so where XLA would choose between a Triton GEMM and cuBLAS by
+timing them, the plan shows its untuned choice (``--triton off`` shows
 cuBLAS's). The memory plan is XLA's own: on an H200 it came within 2.5% of the device's
 measured peaks.
 
@@ -55,11 +55,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import functools  # noqa: E402
-import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
@@ -70,12 +67,12 @@ import gpu_step  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import xla_program  # noqa: E402
 
-from autocast._src.tools import measure  # noqa: E402
+from autocast._src.tools import plan as planning  # noqa: E402
+from autocast._src.tools import xla_program  # noqa: E402
 
 MiB = 2**20
-DEVICES = {"H100": "h100_sxm.txtpb", "H200": "h200_sxm.txtpb"}
+DEVICES = ("H100", "H200")
 # TPU targets: one chip of a host's topology (libtpu makes no smaller one), with the
 # compiler's own figure of each chip's memory when it refuses a program.
 TPUS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
@@ -166,34 +163,17 @@ TPU_ROWS = (
 # ---- the devices -----------------------------------------------------------------------------
 
 
-def _versions() -> str:
-    """The cuDNN and CUDA runtime versions of the installed plugin, as target-config text."""
-    lines = []
-    for package, field in (
-        ("nvidia-cudnn-cu12", "dnn_version_info"),
-        ("nvidia-cuda-runtime-cu12", "runtime_version"),
-    ):
-        try:
-            major, minor, patch = (importlib.metadata.version(package).split(".") + ["0"] * 3)[:3]
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        lines.append(f"{field} {{ major: {major} minor: {minor} patch: {patch} }}")
-    return "\n".join(lines)
+def target(device: str) -> str:
+    """``autocast.plan``'s target for a device name of :data:`DEVICES` or :data:`TPUS`."""
+    return ("tpu-" if device in TPUS else "gpu-") + device.lower()
 
 
 @functools.lru_cache(maxsize=None)
 def sharding(device: str) -> jax.sharding.NamedSharding:
     """A replicated sharding on one compile-only ``device`` (a name of :data:`DEVICES` or
     :data:`TPUS`; a TPU needs libtpu, ``make tpu-plan``'s venv)."""
-    from jax.experimental import topologies
-
-    if device in TPUS:
-        chips = topologies.get_topology_desc(topology_name=TPUS[device], platform="tpu").devices
-        mesh = jax.sharding.Mesh(np.array(chips[:1]), ("x",))
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    config = (HERE / "gpu_devices" / DEVICES[device]).read_text() + "\n" + _versions()
-    topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    (chip,) = planning._devices(target(device))[0][:1]
+    mesh = jax.sharding.Mesh(np.array([chip]), ("x",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
@@ -290,27 +270,15 @@ def known_rows() -> dict[str, tuple[str, ...]]:
 def plan(
     fn: Callable, args: tuple, device: str, triton: bool, buffers: int = 8, kernels: int = 8
 ) -> dict:
-    """Compiles ``fn`` on ``args`` for ``device`` and reads what XLA planned; for a program
-    the compiler refuses (a TPU's, out of memory), ``{"refused": its message}``."""
-    where = sharding(device)
-    options: dict[str, Any] = (
-        {}
-        if device in TPUS
-        else {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": triton}
+    """Compiles ``fn`` on ``args`` for ``device`` through ``autocast.plan`` and reads what XLA
+    planned; for a program the compiler refuses (a TPU's, out of memory), ``{"refused": its
+    message}``."""
+    options = {} if device in TPUS else {"xla_gpu_enable_triton_gemm": triton}
+    planned, read = planning._planned(
+        fn, args, target(device), buffers=buffers, compiler_options=options
     )
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as dump:
-        lowered = fn.lower(*_placed(args, where))
-        try:
-            compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
-        except Exception as e:  # noqa: BLE001 - XlaRuntimeError: the compiler's refusal
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            return {"compile_s": time.perf_counter() - start, "refused": _refusal(str(e))}
-        read = xla_program.read(dump)
-    seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    peak = measure.planned_sum_bytes(memory)
+    if read is None:
+        return {"compile_s": planned.compile_seconds, "refused": planned.refusal}
     launched = read.kernels()
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for k in launched:
@@ -323,16 +291,16 @@ def plan(
     )
     heaviest = sorted(launched, key=lambda k: -(k.reads + k.writes))[:kernels]
     return {
-        "compile_s": seconds,
-        "peak_mib": peak / MiB,
-        "arguments_mib": memory.argument_size_in_bytes / MiB,
-        "outputs_mib": memory.output_size_in_bytes / MiB,
-        "temporaries_mib": memory.temp_size_in_bytes / MiB,
-        "aliased_mib": memory.alias_size_in_bytes / MiB,
+        "compile_s": planned.compile_seconds,
+        "peak_mib": planned.peak_bytes / MiB,
+        "arguments_mib": planned.argument_bytes / MiB,
+        "outputs_mib": planned.output_bytes / MiB,
+        "temporaries_mib": planned.temporary_bytes / MiB,
+        "aliased_mib": planned.alias_bytes / MiB,
         "live_peak_mib": None if read.peak_bytes is None else read.peak_bytes / MiB,
         "buffers": [
-            {"mib": b.nbytes / MiB, "shape": b.shape, "made_by": b.made_by, "source": b.source}
-            for b in read.peak_buffers[:buffers]
+            {"mib": b.nbytes / MiB, "shape": b.shape, "made_by": b.made_by, "source": b.where}
+            for b in planned.buffers
         ],
         "kernels": {
             kind: {"launches": n, "read_mib": r / MiB, "written_mib": w / MiB}
@@ -356,12 +324,6 @@ def plan(
             for k in heaviest
         ],
     }
-
-
-def _refusal(message: str) -> str:
-    """The line of a compiler's refusal that says what did not fit."""
-    lines = [line.strip() for line in message.splitlines() if "exceed" in line or "HBM" in line]
-    return (lines or [message.strip().splitlines()[0]])[0][:300]
 
 
 # ---- the table -------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ SECTIONS = (
     ("autocast._src.scaling", "Loss scaling", "loss_scaling.md"),
     ("autocast._src.state", "Training state precision", "training_state.md"),
     ("autocast._src.tools.report", "What ran in which dtype", "amp.md"),
+    ("autocast._src.tools.plan", "Planning for a chip you do not have", "planning.md"),
     ("autocast._src.tools", "The numerics debugger", "diagnose.md"),
 )
 

@@ -1,7 +1,7 @@
 """``make gpu-plan``: GPU programs compiled on a machine without a GPU, and read back.
 
-The reader of XLA's dump (``benchmarks/xla_program.py``) is tested on a small module written
-here in XLA's text format; the whole tool runs where ``make gpu-plan`` built its venv (the
+The reader of XLA's dump (``autocast._src.tools.xla_program``) is tested on a small module
+written here in XLA's text format; the whole tool runs where ``make gpu-plan`` built its venv (the
 CUDA plugin is 5.5 GB, so the suite does not install it)."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from conftest import (
     gpu_plans,
     in_gpu_plan_venv,
     in_venv,
-    load_script,
     needs_gpu_plan_venv,
     needs_tpu_plan_venv,
 )
 
+from autocast._src.tools import xla_program
+
 ROOT = Path(__file__).parents[1]
-xla_program = load_script(ROOT / "benchmarks" / "xla_program.py")
 
 # A forward float8 GEMM whose second scale is a constant 1, a loop that stacks a GEMM's
 # output (twice), and a Triton GEMM fusion; the shapes are small so the figures are exact.

@@ -54,6 +54,7 @@ from autocast._src.scaling.jaxamp import (
 )
 from autocast._src.scaling.jmp import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from autocast._src.tools.diagnose import Diagnosis, Entry, diagnose
+from autocast._src.tools.plan import Plan, PlannedBuffer, PlannedProduct, plan
 from autocast._src.tools.report import Report, report
 from autocast._src.transform.amp import amp, amp_stop
 from autocast._src.transform.entry_points import in_compute_dtype
@@ -71,6 +72,9 @@ __all__ = [
     "LossScale",
     "LossScaleUpdate",
     "NoOpLossScale",
+    "Plan",
+    "PlannedBuffer",
+    "PlannedProduct",
     "Policy",
     "Report",
     "ScalingHealth",
@@ -96,6 +100,7 @@ __all__ = [
     "nonfinite_leaves",
     "nonfinite_paths",
     "parse_dtype",
+    "plan",
     "report",
     "select_tree",
     "stalled",

@@ -1,5 +1,5 @@
-"""Reading a program XLA compiled for a GPU: its kernels, the bytes each moves, and the
-buffers live at its memory peak.
+"""Reading a program XLA compiled for a GPU or TPU: its kernels, the bytes each moves, the
+buffers live at its memory peak and the operand types of its products.
 
 XLA writes what it decided into a dump folder (``xla_dump_to``): the optimised HLO module
 (``*after_optimizations.txt``: every instruction with its shape, the kernel it became and the
@@ -359,6 +359,15 @@ def product_operand_types(program: Program) -> collections.Counter:
     for ins in program.instructions.values():
         if ins.opcode in ("dot", "convolution", "scaled-dot"):
             counts[" x ".join(_operand_types(program, ins))] += 1
+    return counts
+
+
+def products_by_line(program: Program) -> collections.Counter:
+    """As :func:`product_operand_types`, keyed by ``(operand types, the user's line)``."""
+    counts: collections.Counter = collections.Counter()
+    for ins in program.instructions.values():
+        if ins.opcode in ("dot", "convolution", "scaled-dot"):
+            counts[" x ".join(_operand_types(program, ins)), program.source(ins)] += 1
     return counts
 
 
