@@ -572,7 +572,7 @@ def _through(instructions: dict[str, Instruction], ins: Instruction | None) -> I
 
 
 def _buffer_origin(program: Program, ins: Instruction) -> tuple[str, str]:
-    op_name = ins.attribute("op_name") or ""
+    op_name = (ins.attribute("op_name") or "").replace("\\'", "'")  # HLO text escapes quotes
     if ins.opcode == "parameter" and ins.computation == program.entry:
         made_by = f"argument {op_name or ins.name}"
     else:
