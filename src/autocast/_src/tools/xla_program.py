@@ -203,7 +203,11 @@ class Program:
 
     def source(self, ins: Instruction) -> str:
         frame = ins.attribute("stack_frame_id")
-        return _user_line(self.locations.get(int(frame), [])) if frame else ""
+        if frame:
+            return _user_line(self.locations.get(int(frame), []))
+        # older XLA (JAX 0.6) keeps one frame per instruction, the user's as JAX chose it
+        path, line = ins.attribute("source_file"), ins.attribute("source_line")
+        return f"{Path(path).name}:{line}" if path else ""
 
 
 def _user_line(stack: list[tuple[str, int, str]]) -> str:
