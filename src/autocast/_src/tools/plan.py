@@ -9,6 +9,7 @@ HLO and buffer assignment come back. Nothing runs, so a plan says nothing of tim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -202,7 +203,7 @@ def _planned(
     if target.startswith("gpu-"):
         options.setdefault("xla_gpu_autotune_level", 0)  # no device to time kernels on
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as dump:
+    with tempfile.TemporaryDirectory() as dump, _compiled_afresh():
         lowered = jitted.lower(*placed)
         try:
             compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
@@ -239,6 +240,23 @@ def _planned(
         compile_seconds=seconds,
     )
     return result, program
+
+
+@contextlib.contextmanager
+def _compiled_afresh() -> Any:
+    """XLA writes its dumps (the buffer assignment, the live ranges) only when it compiles: a
+    program the persistent compilation cache holds comes back without them. JAX decides once
+    per process whether it uses that cache, and forgets the decision on ``reset_cache``."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    held = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", held)
+        compilation_cache.reset_cache()
 
 
 def _devices(target: str) -> tuple[list[Any], int | None]:

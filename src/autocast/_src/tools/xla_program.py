@@ -598,6 +598,8 @@ def read(folder: str | Path) -> Program:
     ranges = sorted(folder.glob("*after_optimizations-live-range.txt"))
     assignment = sorted(folder.glob("*after_optimizations-buffer-assignment.txt"))
     program = Program(instructions, computations, entry, _frames(text), [], None)
+    # JAX 0.6's XLA writes the live ranges at the end of the buffer assignment
+    ranges = ranges or [a for a in assignment if "Live ranges at" in a.read_text()]
     if ranges:
         live, _ = _peak(ranges[0].read_text())
         if assignment:
