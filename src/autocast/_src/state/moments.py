@@ -282,8 +282,12 @@ def low_precision_state(
             )
         refuse_8_bit_params(params, "low_precision_state", _PARAMETERS)
         order.warn_if_unrounded(params, "low_precision_state")
+        # The decoded float32 state depends only on the step's arguments, so a compiler may
+        # decode it before the backward pass and hold it through the activations' peak (the
+        # TPU's does); tied to the gradients, it is decoded once they exist.
+        updates, stored = jax.lax.optimization_barrier((updates, state.inner))
         new_updates, inner_state = inner.update(
-            _to_float32(updates), decode(state.inner), _to_float32(params), **extra_args
+            _to_float32(updates), decode(stored), _to_float32(params), **extra_args
         )
         following, draw = (None, None) if stored_key is None else stored_key.split(state.key)
         return new_updates, LowPrecisionState(encode(inner_state, draw, updates), following)
