@@ -4,10 +4,13 @@ parallelism and FSDP, and the largest global batch that fits (``autocast.plan``)
 Rows: the 24x2048 decoder of ``gpu_step.py`` (about 1.3 B parameters) and a 32x4096 one
 (about 6.9 B), sequence 1024, AdamW; hand bf16 (the parameters cast by hand), amp bf16, amp
 bf16 with 16-bit parameters and moments, amp bf16 with 8-bit moments. "DP" replicates the
-parameters and the optimizer's state on every chip; "FSDP" splits every array of them over
-the chips along its largest dimension the chip count divides. The tokens are split over the
-chips in both. Per row: the planned peak per chip at one sequence per chip (or the
-compiler's refusal) and, with ``--search``, the largest global batch that fits, found by
+parameters and the optimizer's state on every chip; "FSDP" splits every parameter over the
+chips along its largest dimension the chip count divides, a leading one before the last (an
+8-bit moment is blocks along the last dimension, kept whole, so it can follow only a split of
+a leading one), and puts each array of the optimizer's state where its parameter is
+(``autocast.optax.state_shardings``). The tokens are split over the chips in both. Per
+row: the planned peak per chip at one sequence per chip (or the compiler's refusal, with the
+bytes it needed) and, with ``--search``, the largest global batch that fits, found by
 doubling the sequences per chip, each probe one compile.
 
 Run: ``.venv-tpu-plan/bin/python benchmarks/tpu_pods.py [--pods v5e:4x4,v5p:4x4x4]
@@ -23,6 +26,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"  # the TPUs are only compiled for
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -34,9 +38,11 @@ import gpu_models  # noqa: E402
 import gpu_step  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import autocast  # noqa: E402
+import autocast.optax  # noqa: E402
 from autocast._src.tools import plan as planning  # noqa: E402
 
 GiB = 2**30
@@ -53,17 +59,34 @@ PODS = ("v5e:4x4", "v5p:4x4x4")
 
 
 def _split(tree: Any, chips: int) -> Any:
-    """FSDP's placement: each array split over ``"data"`` along its largest dimension that
-    ``chips`` divides, replicated where none does."""
+    """FSDP's placement of the parameters: each array split over ``"data"`` along its largest
+    leading dimension that ``chips`` divides, else its last, replicated where none does."""
 
     def spec(a: Any) -> P:
         dims = [i for i, n in enumerate(a.shape) if n % chips == 0]
+        dims = [i for i in dims if i < len(a.shape) - 1] or dims
         if not dims:
             return P()
         i = max(dims, key=lambda i: a.shape[i])
         return P(*([None] * i), "data")
 
     return jax.tree_util.tree_map(spec, tree)
+
+
+def _beside(opt_state: Any, params: Any, specs: Any) -> Any:
+    """The optimizer state's PartitionSpecs, each array where its parameter is, by
+    ``autocast.optax.state_shardings``; it reads only the specs' axis names, so a one-device
+    mesh of this machine's CPU names them."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("data",))
+    placed = jax.tree_util.tree_map(
+        lambda a, spec: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
+        ),
+        params,
+        specs,
+    )
+    where = autocast.optax.state_shardings(opt_state, placed)
+    return jax.tree_util.tree_map(lambda s: s.spec, where)
 
 
 def step_and_state(config: dict, variant: str) -> tuple[Any, Any, Any]:
@@ -92,10 +115,20 @@ def plan_row(config: dict, variant: str, pod: str, sharding: str, per_chip: int)
     step, params, opt_state = step_and_state(config, variant)
     n = len(planning._devices("tpu-" + pod)[0])
     tokens = jax.ShapeDtypeStruct((per_chip * n, config["seq"] + 1), jnp.int32)
-    state = (_split(params, n), _split(opt_state, n)) if sharding == "FSDP" else (None, None)
+    if sharding == "FSDP":
+        specs = _split(params, n)
+        state = (specs, _beside(opt_state, params, specs))
+    else:
+        state = (None, None)
     return autocast.plan(
         step, params, opt_state, tokens, target="tpu-" + pod, shardings=(*state, P("data"))
     )
+
+
+def _needed(refusal: str) -> str:
+    """What the compiler's refusal says was needed, and of how much."""
+    m = re.search(r"for ([\w ]+?) \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", refusal)
+    return f"{m.group(1)} {m.group(2)} > {m.group(3)}" if m else refusal[:70]
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -136,11 +169,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                             per_chip *= 2
                         row["largest_global_batch"] = per_chip * p.chips
                     results[f"{model} / {pod} / {sharding} / {variant}"] = row
-                    peak = (
-                        f"{row['peak_gib']:8.2f}"
-                        if p.fits
-                        else f"refused: {(p.refusal or 'over memory')[:70]}"
-                    )
+                    if p.fits:
+                        peak = f"{row['peak_gib']:8.2f}"
+                    elif p.refusal is None:
+                        peak = f"over the chip's memory: {row['peak_gib']:.2f}"
+                    else:
+                        peak = f"refused: {_needed(p.refusal)}"
                     batch = row["largest_global_batch"] or "-"
                     print(
                         f"{model:16} {pod:10} {sharding:5} {variant:18} {peak} "

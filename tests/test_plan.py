@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import TPU_PLAN_VENV, in_venv, needs_tpu_plan_venv
+from conftest import ROOT, TPU_PLAN_VENV, in_venv, needs_tpu_plan_venv
 
 import autocast
+import autocast.optax
 from autocast._src.tools import measure
 
 P = jax.sharding.PartitionSpec
@@ -148,3 +149,18 @@ def test_a_tpu_plan_from_a_cpu_decides_for_the_chip_shards_and_refuses():
     assert out["fsdp"] == [8, (4096 * 2048 + 256 * 4096) * 4]
     fits, refusal = out["refused"]
     assert not fits and "HBM" in refusal
+
+
+def test_the_pod_benchmark_puts_8_bit_moments_where_their_parameters_are(monkeypatch):
+    # blocks of an 8-bit moment run along the parameter's last axis and stay whole, so FSDP
+    # must split a parameter along a leading axis for its moments to follow it
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    tpu_pods = importlib.import_module("tpu_pods")
+    params = {"w": jax.ShapeDtypeStruct((24, 2048, 8192), jnp.float32)}
+    tx = autocast.optax.low_precision_state(optax.adam(1e-3), jnp.float8_e4m3fn)
+    opt_state = jax.eval_shape(tx.init, params)
+    specs = tpu_pods._split(params, 64)
+    moments = tpu_pods._beside(opt_state, params, specs).inner[0]
+    assert specs["w"] == P(None, "data")
+    assert moments.mu["w"].codes == P(None, "data", None, None) == moments.nu["w"].codes
+    assert moments.mu["w"].scales == P(None, "data", None)
