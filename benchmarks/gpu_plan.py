@@ -73,9 +73,8 @@ from autocast._src.tools import xla_program  # noqa: E402
 
 MiB = 2**20
 DEVICES = ("H100", "H200")
-# TPU targets: one chip of a host's topology (libtpu makes no smaller one), with the
-# compiler's own figure of each chip's memory when it refuses a program.
-TPUS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+# TPU targets: one chip each (autocast.plan's "tpu-v5e" and the others)
+TPUS = ("v5e", "v5p", "v6e")
 
 # Device peaks measured on one H200 (docs/benchmarks.md, "On a GPU"; JAX 0.11.2, the
 # library at commit 2e4a7d8, before recomputed chains): MiB, by row.

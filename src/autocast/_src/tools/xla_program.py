@@ -356,22 +356,22 @@ def _operand_types(program: Program, ins: Instruction) -> list[str]:
     return types
 
 
-def product_operand_types(program: Program) -> collections.Counter:
-    """Every dot and convolution of the program, inside fusions too, by its operand types
-    ("bf16 x bf16"), each counted once per appearance in the program (a loop body's once)."""
-    counts: collections.Counter = collections.Counter()
-    for ins in program.instructions.values():
-        if ins.opcode in ("dot", "convolution", "scaled-dot"):
-            counts[" x ".join(_operand_types(program, ins))] += 1
-    return counts
-
-
 def products_by_line(program: Program) -> collections.Counter:
-    """As :func:`product_operand_types`, keyed by ``(operand types, the user's line)``."""
+    """Every dot and convolution of the program, inside fusions too, by ``(its operand types
+    ("bf16 x bf16"), the user's line)``, each counted once per appearance in the program (a
+    loop body's once)."""
     counts: collections.Counter = collections.Counter()
     for ins in program.instructions.values():
         if ins.opcode in ("dot", "convolution", "scaled-dot"):
             counts[" x ".join(_operand_types(program, ins)), program.source(ins)] += 1
+    return counts
+
+
+def product_operand_types(program: Program) -> collections.Counter:
+    """As :func:`products_by_line`, by operand types alone."""
+    counts: collections.Counter = collections.Counter()
+    for (types, _), n in products_by_line(program).items():
+        counts[types] += n
     return counts
 
 
@@ -595,15 +595,17 @@ def read(folder: str | Path) -> Program:
     text = hlo.read_text()
     computations, entry = _parse(text)
     instructions = {ins.name: ins for body in computations.values() for ins in body}
-    ranges = sorted(folder.glob("*after_optimizations-live-range.txt"))
-    assignment = sorted(folder.glob("*after_optimizations-buffer-assignment.txt"))
+    ranges, assignment = (
+        [f.read_text() for f in sorted(folder.glob(f"*after_optimizations-{kind}.txt"))]
+        for kind in ("live-range", "buffer-assignment")
+    )
     program = Program(instructions, computations, entry, _frames(text), [], None)
     # JAX 0.6's XLA writes the live ranges at the end of the buffer assignment
-    ranges = ranges or [a for a in assignment if "Live ranges at" in a.read_text()]
+    ranges = ranges or [a for a in assignment if "Live ranges at" in a]
     if ranges:
-        live, _ = _peak(ranges[0].read_text())
+        live, _ = _peak(ranges[0])
         if assignment:
-            live = _distinct(live, _placements(assignment[0].read_text()), program)
+            live = _distinct(live, _placements(assignment[0]), program)
         program.peak_buffers = [_buffer(program, n, b) for n, b in live]
         program.peak_bytes = sum(b for _, b in live)
     return program
