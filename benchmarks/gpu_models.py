@@ -4,7 +4,9 @@
   tied to the token embedding, blocks scanned over stacked parameters), with attention
   written out (``"naive"``: einsum, causal mask, softmax) or by
   ``jax.nn.dot_product_attention`` (``"cudnn"``: cuDNN's fused kernel, 16-bit inputs only;
-  ``"xla"``: JAX's own path, for a float32 program). ``hand`` gives the careful
+  ``"xla"``: JAX's own path, for a float32 program; ``"pallas"``: the Pallas TPU
+  flash-attention kernel JAX ships, ``jax.experimental.pallas.ops.tpu``, a TPU target only).
+  ``hand`` gives the careful
   hand cast: weights and activations in bfloat16 around the products, layer norm, softmax
   and loss in float32.
 - ``ResNet18``: Flax Linen's ResNet-18 with BatchNorm in training mode; ``dtype`` is Flax's
@@ -67,7 +69,21 @@ def _layer_norm(p: Params, x: jax.Array, hand: Any) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def _pallas_flash(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The Pallas TPU flash-attention kernel JAX ships, called as a user calls it (under amp
+    an entry point: it runs in the compute dtype, docs/fused_attention.md)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+
+    # the kernel's layout is (batch, heads, sequence, head); the model's (batch, sequence,
+    # heads, head)
+    q, k, v = (z.transpose(0, 2, 1, 3) for z in (q, k, v))
+    out = tpu_flash.flash_attention(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5)
+    return out.transpose(0, 2, 1, 3)
+
+
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str, hand: Any) -> jax.Array:
+    if kind == "pallas":
+        return _pallas_flash(q, k, v)
     if kind != "naive":  # "cudnn", or "xla" (JAX's own fused-attention path, any dtype)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kind)
     t, c = q.shape[1], q.shape[-1]

@@ -36,7 +36,9 @@ of a v5e, v5p or v6e host (``--devices v5e,v5p,v6e``), compile-only devices from
 ``jax.experimental.topologies``, the TPU compiler run whole. Per row: the planned peak and
 temporaries, or the compiler's refusal with the bytes that did not fit; the largest buffers
 live at the peak with the user's line; every dot and convolution by its operand types; the
-compile time. "fused" attention on a TPU is ``jax.nn.dot_product_attention``'s XLA path.
+compile time. "fused" attention on a TPU is ``jax.nn.dot_product_attention``'s XLA path;
+"pallas" is the Pallas TPU flash-attention kernel, an entry point of amp
+(``autocast.in_compute_dtype``), left out of ``--tiny``.
 The compiler's time estimate (``cost_analysis()["optimal_seconds"]``) is left out: it came
 back negative for scanned and float8 programs, and counts a loop body once.
 
@@ -146,14 +148,20 @@ DEFAULT_ROWS = (
     *[("linear", v, "-") for v in LINEAR_VARIANTS],
 )
 
-# A TPU's rows (make tpu-plan): gpu_step.py's models with attention written out and through
-# jax.nn.dot_product_attention (XLA's path there), the variants the issue of TPU plans names.
+# A TPU's rows (make tpu-plan): gpu_step.py's models with attention written out, through
+# jax.nn.dot_product_attention (XLA's path there) and through the Pallas TPU flash-attention
+# kernel ("pallas"), the variants the issue of TPU plans names.
 TPU_ROWS = (
     *[
         (m, v, a)
         for m in ("GPT-2 small", "GPT-2 medium", "decoder 24x2048")
         for a in ("naive", "fused")
         for v in ("hand bf16", "amp bf16", "amp bf16 state16", "amp bf16 moments8")
+    ],
+    *[
+        (m, v, "pallas")
+        for m in ("GPT-2 small", "GPT-2 medium", "decoder 24x2048")
+        for v in ("hand bf16", "amp bf16")
     ],
     *[("ResNet-18", v, "-") for v in ("float32", "flax bf16", "amp bf16")],
 )
@@ -410,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     options.json = options.json or str(HERE / f"{options.target}_plan.json")
     known = known_rows()
     rows = TPU_ROWS if options.target == "tpu" else DEFAULT_ROWS
+    if options.tiny:  # the Pallas kernel's blocks are 128 long, a tiny model's sequence 32
+        rows = tuple(r for r in rows if r[2] != "pallas")
     if options.rows:
         rows = []
         for text in options.rows.split(";"):

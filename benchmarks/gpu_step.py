@@ -146,8 +146,8 @@ def _gpt_step(
     import autocast
 
     gpu = jax.default_backend() == "gpu" if gpu is None else gpu
-    if attention == "naive":
-        kind = "naive"
+    if attention in ("naive", "pallas"):
+        kind = attention
     else:  # cuDNN's kernel takes 16-bit inputs; a float32 program gets JAX's own fused path
         kind = "cudnn" if gpu and variant != "float32" else "xla"
     hand = jnp.bfloat16 if variant == "hand bf16" else None

@@ -11,7 +11,7 @@ import pytest
 import autocast
 from autocast import _compat
 from autocast._src.tools import measure as _measure
-from autocast._src.transform.recompute import recompute_all
+from autocast._src.transform.recompute import recompute_chain
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 KEY = jax.random.PRNGKey(0)
@@ -47,7 +47,8 @@ def recomputed_checkpoints(jaxpr):
     return sum(
         1
         for e in _measure.equations(jaxpr)
-        if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is recompute_all
+        if e.primitive.name in ("remat2", "checkpoint")
+        and e.params.get("policy") is recompute_chain
     )
 
 
@@ -246,18 +247,22 @@ def test_outside_a_loop_recomputation_is_kept_apart_from_the_forward_pass():
     # XLA would merge a backward recomputation with the identical forward computation (common
     # subexpressions) and keep what the chain spares; a loop body's backward runs in a loop of
     # its own, where it cannot, and barriers would only hinder XLA there
-    from autocast._src.transform.regions import save_nothing
+    from autocast._src.transform.regions import keep_statistics
 
     args = _mlp_args()
     unrolled = autocast.amp(_gelu_mlp, compute_dtype=BF16)
-    assert _checkpoints(jax.make_jaxpr(jax.grad(unrolled))(*args), recompute_all) == [(True, False)]
+    assert _checkpoints(jax.make_jaxpr(jax.grad(unrolled))(*args), recompute_chain) == [
+        (True, False)
+    ]
 
     def scanned(w1, w2, x):
         h, _ = jax.lax.scan(lambda h, _: (jax.nn.gelu(h @ w1) @ w2, None), x, None, length=2)
         return jnp.sum(h**2)
 
     amp = autocast.amp(scanned, compute_dtype=BF16)
-    assert set(_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args), recompute_all)) == {(False, True)}
+    assert set(_checkpoints(jax.make_jaxpr(jax.grad(amp))(*args), recompute_chain)) == {
+        (False, True)
+    }
 
     # a wide region whose result flows on as an activation is kept apart too; one that ends in
     # a statistic (a loss) is not: its cotangent is known in the forward pass, where XLA then
@@ -271,12 +276,12 @@ def test_outside_a_loop_recomputation_is_kept_apart_from_the_forward_pass():
 
     amp = autocast.amp(normed, compute_dtype=BF16)
     jaxpr = jax.make_jaxpr(jax.grad(amp))(*args)
-    assert _checkpoints(jaxpr, save_nothing) == [(False, False)]  # the loss
+    assert _checkpoints(jaxpr, keep_statistics) == [(False, False)]  # the loss
     # the layer norm, recomputed with the product that reads it
-    assert _checkpoints(jaxpr, recompute_all) == [(True, False)]
+    assert _checkpoints(jaxpr, recompute_chain) == [(True, False)]
     amp = autocast.amp(lambda w1, x: norm(x @ w1), compute_dtype=BF16)
     jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(amp(*a) ** 2)))(args[0], args[2])
-    assert _checkpoints(jaxpr, save_nothing) == [(True, False)]  # an output: its own region
+    assert _checkpoints(jaxpr, keep_statistics) == [(True, False)]  # an output: its own region
 
 
 def _conv(x, w):
@@ -440,7 +445,10 @@ def _adds_in_checkpoints(jaxpr, shape):
     """Full-size additions recomputed inside amp's chain checkpoints."""
     found = 0
     for e in _measure.equations(jaxpr):
-        if e.primitive.name in ("remat2", "checkpoint") and e.params.get("policy") is recompute_all:
+        if (
+            e.primitive.name in ("remat2", "checkpoint")
+            and e.params.get("policy") is recompute_chain
+        ):
             inner = getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"])
             found += sum(
                 1

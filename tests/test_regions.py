@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import autocast
 from autocast import _compat
 from autocast._src.tools import measure as _measure
 from autocast._src.transform import regions
-from autocast._src.transform.recompute import recompute_all
+from autocast._src.transform.recompute import recompute_chain
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 P = jax.sharding.PartitionSpec
@@ -30,12 +32,14 @@ def layer_norm_mlp(w, x):
 
 
 def _regions(jaxpr):
-    return [e for e in _measure.equations(jaxpr) if e.params.get("policy") is regions.save_nothing]
+    return [
+        e for e in _measure.equations(jaxpr) if e.params.get("policy") is regions.keep_statistics
+    ]
 
 
 def _recomputed(jaxpr):
     """The checkpoints of chains (and of the regions read by matrix products) amp emitted."""
-    return [e for e in _measure.equations(jaxpr) if e.params.get("policy") is recompute_all]
+    return [e for e in _measure.equations(jaxpr) if e.params.get("policy") is recompute_chain]
 
 
 def test_a_normalisation_runs_in_float32_and_leaves_in_16_bits():
@@ -439,3 +443,52 @@ def test_normalising_with_given_statistics_runs_in_float32(affine):
     inv, shift = jax.lax.rsqrt(var + 1e-5) * (1.5 if affine else 1.0), 0.1 if affine else 0.0
     want = jnp.sum(jnp.tanh((h16 - mean) * inv + shift))
     np.testing.assert_allclose(f(x, w, mean, var), want, rtol=1e-5)
+
+
+def _conv_batch_norm(hand):
+    """Conv -> batch norm -> relu, twice, then a conv: a float32 program, or cast by hand
+    (bfloat16 convolutions and activations, float32 statistics)."""
+    dtype = BF16 if hand else F32
+
+    def conv(x, w):
+        dims = ("NHWC", "HWIO", "NHWC")
+        return jax.lax.conv_general_dilated(
+            x, w.astype(dtype), (1, 1), "SAME", dimension_numbers=dims
+        )
+
+    def norm(y):
+        wide = y.astype(F32)
+        mean = wide.mean((0, 1, 2))
+        var = jnp.maximum((wide**2).mean((0, 1, 2)) - mean**2, 0.0)
+        return ((wide - mean) * jax.lax.rsqrt(var + 1e-5)).astype(dtype)
+
+    def loss(ws, x):
+        y = x.astype(dtype)
+        for w in ws[:-1]:
+            y = jax.nn.relu(norm(conv(y, w)))
+        return conv(y, ws[-1]).astype(F32).mean()
+
+    return loss
+
+
+def test_a_batch_norm_backward_reads_the_statistics_its_forward_pass_computed():
+    # the backward pass of a region recomputes its float32 arithmetic from the 16-bit
+    # activation, but not its means: each would be one more pass over the activation
+    ws = [jax.random.normal(jax.random.fold_in(KEY, i), (3, 3, 16, 16)) / 12 for i in range(3)]
+    x = jax.random.normal(KEY, (4, 16, 16, 16))
+
+    def passes(fn):
+        hlo = jax.jit(jax.grad(fn)).lower(ws, x).compile().as_text()
+        # a reduction over batch and space to one value a channel
+        return len(re.findall(r"f32\[16\]\S* reduce\(.*dimensions=\{0,1,2\}", hlo))
+
+    amp_fn = autocast.amp(_conv_batch_norm(hand=False), compute_dtype=BF16)
+    assert 0 < passes(amp_fn) <= passes(_conv_batch_norm(hand=True))
+
+
+def test_only_a_reduction_that_shrinks_its_input_is_kept_as_a_statistic():
+    aval = jax.core.ShapedArray((8, 64, 2), F32)
+    assert regions.saves_statistic(jax.lax.reduce_sum_p, aval, axes=(0, 1))
+    assert regions.saves_statistic(jax.lax.reduce_max_p, aval, axes=(1,))
+    assert not regions.saves_statistic(jax.lax.reduce_sum_p, aval, axes=(2,))
+    assert not regions.saves_statistic(jax.lax.exp_p, aval)

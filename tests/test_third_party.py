@@ -7,6 +7,8 @@ Every case is checked three ways against float32: the forward value, ``grad(amp(
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import pytest
 from conftest import ROOT, load_script, require
 
 import autocast
+from autocast import _compat
 from autocast._src.tools import measure as _measure
 
 BF16 = jnp.bfloat16
@@ -485,3 +488,45 @@ def test_pallas_kernel_shows_in_the_report_and_obeys_the_policy():
     policy = {**autocast.default_amp_policy, pl.pallas_call_p: keep_and_count}
     autocast.amp(kernel_loss, compute_dtype=BF16, amp_policy=policy)(W, X)
     assert seen == [[jnp.float32]]
+
+
+def _pallas_calls(jaxpr):
+    found = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                found.append(e)
+            for sub in _compat.sub_jaxprs(e):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def test_jaxs_tpu_flash_attention_is_an_entry_point():
+    # JAX's own Pallas TPU kernel, traced only (lowering it needs a TPU target: make
+    # tpu-plan compiles it). A kernel runs in the dtypes its program gives it, float32 here,
+    # but this one is an entry point: forward and backward kernels take the compute dtype,
+    # and inside amp_stop the float32 they were given (docs/fused_attention.md).
+    tpu_flash = require("jax.experimental.pallas.ops.tpu.flash_attention")
+    q, k, v = (jax.random.normal(KEYS[i], (1, 2, 128, 64)) for i in range(3))
+
+    def attention(q, k, v):
+        return tpu_flash.flash_attention(q, k, v, causal=True, sm_scale=0.125)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v) ** 2)
+
+    def kernel_dtypes(attend):
+        fn = autocast.amp(functools.partial(loss, attend), compute_dtype=BF16)
+        calls = _pallas_calls(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v))
+        assert len(calls) >= 3  # the forward kernel, dq's and dk/dv's
+        return {e.invars[0].aval.dtype for e in calls}
+
+    def stopped(q, k, v):
+        with autocast.amp_stop():
+            return attention(q, k, v)
+
+    assert kernel_dtypes(attention) == {jnp.dtype(BF16)}
+    assert kernel_dtypes(stopped) == {jnp.dtype(jnp.float32)}

@@ -400,8 +400,12 @@ def replace_public_function(module: str, name: str, wrap: Any) -> None:
     """Replaces the public function ``module.name`` by ``wrap(function)`` (once), so that
     calls through the module reach the wrapper: code that calls
     ``jax.nn.dot_product_attention(...)``, and Flax's attention, which does. A name bound
-    by ``from module import name`` before autocast was imported keeps the original."""
-    owner = importlib.import_module(module)
+    by ``from module import name`` before autocast was imported keeps the original. A
+    module this JAX (or this platform's jaxlib) lacks is left alone."""
+    try:
+        owner = importlib.import_module(module)
+    except ImportError:
+        return
     original = getattr(owner, name, None)
     if original is not None:
         setattr(owner, name, wrap(original))

@@ -172,21 +172,21 @@ def recompute_casts(jaxpr: Any) -> int:
 
     Meaningful on the jaxpr of a gradient, where a region's forward equations stand inlined
     and only its recomputation remains a checkpoint."""
-    from autocast._src.transform.recompute import recompute_all
-    from autocast._src.transform.regions import save_nothing
+    from autocast._src.transform.recompute import recompute_chain
+    from autocast._src.transform.regions import keep_statistics
 
     count = 0
     for eqn in equations(jaxpr):
         if eqn.primitive.name not in _REMAT_NAMES:
             continue
         policy = eqn.params.get("policy")
-        if policy is save_nothing:
+        if policy is keep_statistics:
             count += sum(
                 1
                 for e in float_casts(eqn.params["jaxpr"])
                 if e.invars[0].aval.dtype.itemsize < e.outvars[0].aval.dtype.itemsize
             )
-        elif policy is recompute_all:
+        elif policy is recompute_chain:
             count += len(float_casts(eqn.params["jaxpr"]))
     return count
 

@@ -176,9 +176,14 @@ def fused_attention_possible(*args: Any, implementation: str | None = None, **kw
     return target_of((args, kwargs)).platform == "gpu"
 
 
-# Public JAX functions that are entry points, and for which calls: marked in place when
-# autocast is imported.
-BUILT_IN = (("jax.nn", "dot_product_attention", fused_attention_possible),)
+# Public JAX functions that are entry points, and for which calls (None: all): marked in
+# place when autocast is imported. JAX's Pallas TPU flash attention takes any float dtype
+# and keeps its softmax statistics in float32; called in a float32 program, it would run
+# its products in float32 on the matrix units.
+BUILT_IN = (
+    ("jax.nn", "dot_product_attention", fused_attention_possible),
+    ("jax.experimental.pallas.ops.tpu.flash_attention", "flash_attention", None),
+)
 
 for _module, _name, _when in BUILT_IN:
     _compat.replace_public_function(_module, _name, functools.partial(in_compute_dtype, when=_when))

@@ -62,10 +62,11 @@ ACTIVATION_CALLS = frozenset({"custom_jvp_call"})
 PREVENT_CSE_OUTSIDE_LOOPS = True
 
 
-def recompute_all(*_: Any, **__: Any) -> bool:
-    """The checkpoint policy of a recomputed chain: nothing inside is kept. A function of
-    its own, so measures can tell these checkpoints from wide regions and the user's."""
-    return False
+def recompute_chain(prim: Any, *avals: Any, **params: Any) -> bool:
+    """The checkpoint policy of a recomputed chain: nothing inside is kept but the statistics
+    of a wide region recomputed with it (:func:`regions.saves_statistic`). A function of its
+    own, so measures can tell these checkpoints from wide regions and the user's."""
+    return regions.saves_statistic(prim, *avals, **params)
 
 
 class Link:
@@ -514,7 +515,7 @@ def _checkpointed(
         n._emitted = True  # no chain to come: its inputs are what this checkpoint keeps
     cache = regions.trace_cache()
     key = None if cache is None or finish_key is None else _structure(order, leaves, finish_key)
-    return regions.checkpoint(region, leaves, recompute_all, prevent_cse, cache, key)
+    return regions.checkpoint(region, leaves, recompute_chain, prevent_cse, cache, key)
 
 
 def _checked(node: Link, value: Any) -> Any:

@@ -192,10 +192,28 @@ class Moved:
         return self.value.dtype
 
 
-def save_nothing(*_: Any, **__: Any) -> bool:
+# The reductions whose results a checkpoint of amp's keeps, and by how many times at least a
+# kept one shrinks its input: a statistic is a small fraction of the activation it reads.
+STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+STATISTIC_SHRINKS = 16
+
+
+def saves_statistic(prim: Any, *avals: Any, **params: Any) -> bool:
+    """Whether a checkpoint of amp's keeps an equation's result: a reduction to a statistic
+    (a batch norm's means, a softmax's maxima), which the backward pass would otherwise
+    compute again with one more pass over the full activation. The activation itself, and
+    everything elementwise, is recomputed."""
+    if prim.name not in STATISTICS or not avals:
+        return False
+    shape = avals[0].shape
+    return math.prod(shape[a] for a in params.get("axes", ())) >= STATISTIC_SHRINKS
+
+
+def keep_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
     """The checkpoint policy of a wide region: its backward recomputes everything from the
-    region's inputs. A function of its own, so measures can tell amp's regions apart."""
-    return False
+    region's inputs but its statistics (:func:`saves_statistic`). A function of its own, so
+    measures can tell amp's regions apart."""
+    return saves_statistic(prim, *avals, **params)
 
 
 def _is_full(arg: Any, shape: Sequence[int]) -> bool:
@@ -376,7 +394,7 @@ def _emit(root: Wide, dtype: np.dtype) -> Any:
     # outside a loop body, XLA would merge the backward's recomputation with the forward
     # pass and keep the float32 intermediates the region was made to spare
     prevent_cse = not root.ctx.in_loop and root.full
-    return checkpoint(region, leaves, save_nothing, prevent_cse, cache, key)
+    return checkpoint(region, leaves, keep_statistics, prevent_cse, cache, key)
 
 
 def checkpoint(
