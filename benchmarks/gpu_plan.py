@@ -318,6 +318,7 @@ def plan(
             for (kind, detail, source), n in gemms.most_common()
         ],
         "float8_passes": xla_program.float8_passes(read),
+        "float8_preparation": xla_program.float8_preparation(read),
         "products": dict(xla_program.product_operand_types(read).most_common()),
         "heaviest": [
             {
@@ -362,6 +363,8 @@ def _gemm_summary(p: dict, tpu: bool = False) -> str:
     passes = p.get("float8_passes", {})
     counts["f8 copies"] += passes.get("copies", 0)
     counts["scalings after f8 GEMMs"] += passes.get("scalings", 0)
+    for what, k in p.get("float8_preparation", {}).items():
+        counts[f"f8 {what} passes"] += k["launches"]
     return "; ".join(f"{n} {k}" for k, n in counts.most_common() if n)
 
 
@@ -383,6 +386,17 @@ def _print_details(label: str, p: dict, measured: float | None, device: str) -> 
     print("  kernels per step:  launches  read MiB  written MiB")
     for kind, k in p["kernels"].items():
         print(f"    {kind:30.30} {k['launches']:6d} {k['read_mib']:10.0f} {k['written_mib']:11.0f}")
+    read = sum(k["read_mib"] for k in p["kernels"].values())
+    written = sum(k["written_mib"] for k in p["kernels"].values())
+    print(f"    {'all kernels':30} {'':6} {read:10.0f} {written:11.0f}")
+    preparation = {w: k for w, k in p.get("float8_preparation", {}).items() if k["launches"]}
+    if preparation:
+        print("  kernels that only prepare float8 operands:")
+        for what, k in preparation.items():
+            print(
+                f"    {what:30.30} {k['launches']:6d} {k['read_mib']:10.0f}"
+                f" {k['written_mib']:11.0f}"
+            )
     if p["gemms"]:
         print("  GEMMs (launches per step, output type, float8 scale operands, line):")
         for g in p["gemms"]:

@@ -95,6 +95,12 @@ def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
     for p in (linear, gpt):
         assert p["peak_mib"] > p["temporaries_mib"] > 0 and p["buffers"]
     assert "largest buffers live at the peak" in printed
+    # current scaling reads each float8 operand once for its amax, in a kernel of its own;
+    # a bfloat16 step has no such kernel
+    prepared = linear["float8_preparation"]
+    assert prepared["amax"]["launches"] >= 2 and prepared["amax"]["read_mib"] > 0
+    assert not any(k["launches"] for k in gpt["float8_preparation"].values())
+    assert "kernels that only prepare float8 operands" in printed
 
 
 @pytest.mark.slow
@@ -140,3 +146,34 @@ def test_a_gpu_program_keeps_the_training_states_rounding():
     round_trip_converts, roundings = map(int, printed.split())
     assert round_trip_converts == 0
     assert roundings == 1
+
+
+# Compiles a float8 gradient step for an H100 with no GPU and prints the kernels that only
+# prepare its float8 operands, by what they do.
+PREPARATION_FOR_A_GPU = """
+import json, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import gpu_plan, jax, jax.numpy as jnp, autocast
+from autocast._src.tools import xla_program
+where = gpu_plan.sharding("H100")
+w = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+step = jax.grad(autocast.amp(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2), compute_dtype="fp8"))
+with tempfile.TemporaryDirectory() as dump:
+    options = {"xla_gpu_autotune_level": 0, "xla_dump_to": dump}
+    jax.jit(step).lower(*gpu_plan._placed((w, x), where)).compile(compiler_options=options)
+    program = xla_program.read(dump)
+print(json.dumps(xla_program.float8_preparation(program)))
+"""
+
+
+@needs_gpu_plan_venv
+def test_the_plan_names_the_kernels_that_only_prepare_float8_operands():
+    printed = in_gpu_plan_venv("-c", PREPARATION_FOR_A_GPU, str(ROOT / "benchmarks"))
+    prepared = json.loads(printed.splitlines()[-1])
+    # x and w each read for an amax; the weight written transposed for the backward GEMM
+    assert prepared["amax"]["launches"] >= 2
+    assert prepared["quantise"]["launches"] >= 1
+    assert prepared["quantise, transposed"]["launches"] >= 1
+    # the weight, f32[256, 512], is read whole to be quantised into the transposed layout
+    assert prepared["quantise, transposed"]["read_mib"] >= 0.5

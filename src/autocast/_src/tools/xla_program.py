@@ -666,3 +666,73 @@ def float8_passes(program: Program) -> dict[str, int]:
         if after_gemm and opcodes <= _SCALING and opcodes & {"multiply", "divide"}:
             counts["scalings"] += runs
     return counts
+
+
+# The passes that prepare float8 operands, in the order the plan prints them.
+PREPARATIONS = ("amax", "quantise", "quantise, transposed")
+_PASSED_ON = frozenset({"convert", "bitcast", "reshape", "copy"})
+
+
+def _max_of_magnitudes(program: Program, body: list[Instruction]) -> bool:
+    """Whether a fusion body max-reduces an ``abs`` (through conversions and reshapes)."""
+    by_name = {f.name: f for f in body}
+    for f in body:
+        region = program.computations.get(f.attribute("to_apply") or "", [])
+        if f.opcode != "reduce" or not any(r.opcode == "maximum" for r in region):
+            continue
+        operand = by_name.get(f.operands[0]) if f.operands else None
+        while operand is not None and operand.opcode in _PASSED_ON and operand.operands:
+            operand = by_name.get(operand.operands[0])
+        if operand is not None and operand.opcode == "abs":
+            return True
+    return False
+
+
+def _preparation(program: Program, ins: Instruction, amaxes: set[str]) -> str | None:
+    """Which of :data:`PREPARATIONS` a kernel is, or None."""
+    read, outs = _arrays_read(program, ins), ins.outputs
+    if not read or ins.opcode != "fusion":
+        return None
+    f8_in = [a for a in read if a.dtype in _FLOAT8]
+    f8_out = [a for a in outs if a.dtype in _FLOAT8]
+    elements = lambda arrays: sum(a.nbytes // _ITEMSIZE[a.dtype] for a in arrays)  # noqa: E731
+    body = program.computations.get(ins.attribute("calls") or "", [])
+    if f8_out and len(f8_out) == len(outs) and not f8_in:
+        # every output float8 and none read: the kernel exists to quantise a value that
+        # another kernel computed
+        return "quantise, transposed" if any(f.opcode == "transpose" for f in body) else "quantise"
+    if f8_out or elements(outs) * 16 > elements(read):
+        return None
+    producers = [_made_by(program, name) for name in ins.operands]
+    # the second stage of a two-stage amax reads only what a first stage wrote
+    arrays = [p for p in producers if p is not None and p.outputs and p.outputs[0].dims]
+    second_stage = bool(arrays) and all(p.name in amaxes for p in arrays)
+    return "amax" if _max_of_magnitudes(program, body) or second_stage else None
+
+
+def float8_preparation(program: Program) -> dict[str, dict[str, float]]:
+    """Per step, the kernels that only prepare float8 operands, by what they do (see
+    :data:`PREPARATIONS`), each with its launches and the MiB it reads and writes: ``amax``
+    (a reduction to the largest magnitude that writes nothing else, and the second stage of
+    one), ``quantise`` (a wider array another kernel computed, written as float8),
+    and ``quantise, transposed`` (the same, into the transposed layout a GEMM needs); a
+    float8 array copied into another layout is one of :func:`float8_passes`' copies. A
+    quantisation or amax done inside the fusion that computes the value is none of them:
+    that is the pass saved."""
+    found = {kind: {"launches": 0, "read_mib": 0.0, "written_mib": 0.0} for kind in PREPARATIONS}
+    amaxes: set[str] = set()
+    for ins, runs in _launching(program):
+        kind = kind_of(ins)
+        if kind is None or kind in GEMM_KINDS:
+            continue
+        what = _preparation(program, ins, amaxes)
+        if what is None:
+            continue
+        if what == "amax":
+            amaxes.add(ins.name)
+        reads, writes = _traffic(program, ins, ins.outputs)
+        row = found[what]
+        row["launches"] += runs
+        row["read_mib"] += runs * reads / 2**20
+        row["written_mib"] += runs * writes / 2**20
+    return found
