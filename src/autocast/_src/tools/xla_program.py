@@ -621,6 +621,10 @@ _SCALING = frozenset(
 )
 
 
+def _elements(arrays: list[Array]) -> int:
+    return sum(a.nbytes // _ITEMSIZE[a.dtype] for a in arrays)
+
+
 def _arrays_read(program: Program, ins: Instruction) -> list[Array]:
     read = []
     for name in ins.operands:
@@ -648,12 +652,11 @@ def float8_passes(program: Program) -> dict[str, int]:
         if kind is None or kind in GEMM_KINDS:
             continue
         read, written = _arrays_read(program, ins), [a for a in ins.outputs if a.dims]
-        elements = lambda arrays: sum(a.nbytes // _ITEMSIZE[a.dtype] for a in arrays)  # noqa: E731
         if (
             read
             and written
             and all(a.dtype in _FLOAT8 for a in read + written)
-            and elements(read) == elements(written)
+            and _elements(read) == _elements(written)
         ):
             counts["copies"] += runs
             continue
@@ -690,18 +693,19 @@ def _max_of_magnitudes(program: Program, body: list[Instruction]) -> bool:
 
 def _preparation(program: Program, ins: Instruction, amaxes: set[str]) -> str | None:
     """Which of :data:`PREPARATIONS` a kernel is, or None."""
+    if ins.opcode != "fusion":
+        return None
     read, outs = _arrays_read(program, ins), ins.outputs
-    if not read or ins.opcode != "fusion":
+    if not read:
         return None
     f8_in = [a for a in read if a.dtype in _FLOAT8]
     f8_out = [a for a in outs if a.dtype in _FLOAT8]
-    elements = lambda arrays: sum(a.nbytes // _ITEMSIZE[a.dtype] for a in arrays)  # noqa: E731
     body = program.computations.get(ins.attribute("calls") or "", [])
     if f8_out and len(f8_out) == len(outs) and not f8_in:
         # every output float8 and none read: the kernel exists to quantise a value that
         # another kernel computed
         return "quantise, transposed" if any(f.opcode == "transpose" for f in body) else "quantise"
-    if f8_out or elements(outs) * 16 > elements(read):
+    if f8_out or _elements(outs) * 16 > _elements(read):
         return None
     producers = [_made_by(program, name) for name in ins.operands]
     # the second stage of a two-stage amax reads only what a first stage wrote
@@ -721,18 +725,16 @@ def float8_preparation(program: Program) -> dict[str, dict[str, float]]:
     that is the pass saved."""
     found = {kind: {"launches": 0, "read_mib": 0.0, "written_mib": 0.0} for kind in PREPARATIONS}
     amaxes: set[str] = set()
-    for ins, runs in _launching(program):
-        kind = kind_of(ins)
-        if kind is None or kind in GEMM_KINDS:
+    for k in program.kernels():  # in launch order: an amax's first stage before its second
+        if k.kind in GEMM_KINDS:
             continue
-        what = _preparation(program, ins, amaxes)
+        what = _preparation(program, program.instructions[k.name], amaxes)
         if what is None:
             continue
         if what == "amax":
-            amaxes.add(ins.name)
-        reads, writes = _traffic(program, ins, ins.outputs)
+            amaxes.add(k.name)
         row = found[what]
-        row["launches"] += runs
-        row["read_mib"] += runs * reads / 2**20
-        row["written_mib"] += runs * writes / 2**20
+        row["launches"] += k.runs
+        row["read_mib"] += k.runs * k.reads / 2**20
+        row["written_mib"] += k.runs * k.writes / 2**20
     return found
