@@ -46,7 +46,13 @@ def program(tmp_path):
 
 def test_kernels_are_read_with_their_kind_runs_and_traffic(program):
     kernels = {k.name: k for k in program.kernels()}
-    assert set(kernels) == {"cublas-gemm.1", "gemm_fusion", "loop_dus_fusion"}
+    assert set(kernels) == {
+        "cublas-gemm.1",
+        "gemm_fusion",
+        "loop_dus_fusion",
+        "loop_slice_fusion",
+        "loop_dus_bitcast_fusion",
+    }
     f8 = kernels["cublas-gemm.1"]
     assert f8.kind == "float8 cuBLASLt GEMM" and f8.runs == 1
     # operands 64*32 + 32*16 bytes and two f32 scalars; the f32 output without the workspace
@@ -58,6 +64,12 @@ def test_kernels_are_read_with_their_kind_runs_and_traffic(program):
     # a loop's in-place update writes its slice and reads the slice's value, not the stack
     dus = kernels["loop_dus_fusion"]
     assert (dus.runs, dus.reads, dus.writes) == (2, 4 + 4 * 8 * 2, 4 * 8 * 2)
+    # a slice of the stack read through a bitcast (a layer's weight in a scan) reads the slice
+    sliced = kernels["loop_slice_fusion"]
+    assert (sliced.runs, sliced.reads, sliced.writes) == (2, 4 + 32 * 2, 4 * 8 * 2)
+    # and an update of the stack through a bitcast (a change of layout) is in place too
+    updated = kernels["loop_dus_bitcast_fusion"]
+    assert (updated.runs, updated.reads, updated.writes) == (2, 4 * 8 * 2 + 4, 4 * 8 * 2)
 
 
 def test_the_peak_names_each_buffer_and_what_a_loop_stacks(program):

@@ -416,7 +416,8 @@ def _traffic(program: Program, ins: Instruction, outs: list[Array]) -> tuple[int
     """``(read, written)`` bytes of one run of ``ins``. A fusion that only slices an operand
     (a loop body's dynamic slice of a stacked array) reads the slice; one whose result is a
     dynamic update of an operand (a loop stacking what it keeps) writes the update in place
-    and reads nothing of the operand it updates."""
+    and reads nothing of the operand it updates. Both are found through the bitcasts XLA
+    puts between the operand and the slice or update where it changes the stack's layout."""
     sizes = []
     for name in ins.operands:
         producer = program.instructions.get(name)
@@ -435,19 +436,49 @@ def _traffic(program: Program, ins: Instruction, outs: list[Array]) -> tuple[int
         k = _parameter_number(f)
         if k is None or k >= len(sizes):
             continue
-        uses = users.get(f.name, [])
-        if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == f.name for u in uses):
-            sizes[k] = sum(sum(a.nbytes for a in u.outputs) for u in uses)
+        sliced = _sliced_bytes(f.name, users)
+        if sliced is not None:
+            sizes[k] = sliced
         elif (
             root is not None
             and root.opcode == "dynamic-update-slice"
-            and root.operands[:1] == [f.name]
+            and _bitcast_of(by_name, root.operands[0] if root.operands else "") == f.name
         ):
             sizes[k] = 0
             update = by_name.get(root.operands[1]) if len(root.operands) > 1 else None
             if update is not None:
                 written = sum(a.nbytes for a in update.outputs)
     return sum(sizes), written
+
+
+def _bitcast_of(by_name: dict[str, Instruction], name: str) -> str:
+    """``name``, or the instruction its chain of bitcasts starts from."""
+    ins = by_name.get(name)
+    while ins is not None and ins.opcode == "bitcast" and ins.operands:
+        name = ins.operands[0]
+        ins = by_name.get(name)
+    return name
+
+
+def _sliced_bytes(name: str, users: dict[str, list[Instruction]]) -> int | None:
+    """The bytes a fusion reads of its parameter ``name`` where it reads only dynamic slices
+    of it, looked for through the bitcasts XLA puts between (a layer's weight sliced out of
+    the scan's stack after a change of layout); None where it reads more."""
+    uses = users.get(name, [])
+    if not uses:
+        return None
+    total = 0
+    for u in uses:
+        if u.opcode == "bitcast":
+            inner = _sliced_bytes(u.name, users)
+            if inner is None:
+                return None
+            total += inner
+        elif u.opcode == "dynamic-slice" and u.operands[0] == name:
+            total += sum(a.nbytes for a in u.outputs)
+        else:
+            return None
+    return total
 
 
 def _kernels(program: Program) -> Iterator[Kernel]:
