@@ -6,7 +6,9 @@ this machine does not have: with the CUDA plugin installed (``make gpu-plan`` bu
 ``.venv-gpu-plan``, the JAX of ``.venv`` and its plugin), compile-only devices made from a
 device description (an H100 and an H200, from public figures) run XLA's whole GPU
 pipeline: fusion, the GEMM rewriters, cuDNN's attention and convolutions, scheduling and
-buffer assignment. Nothing runs, so a plan says nothing of time; autotuning is off (there is
+buffer assignment. Nothing runs, so time is only estimated from the kernels (a roofline,
+and an estimate fitted to the steps GPUs measured: ``autocast._src.tools.estimate``,
+``--measured`` checks it against them); autotuning is off (there is
 no device to time kernels on), so where XLA would choose between a Triton GEMM and cuBLAS by
 timing them, the plan shows its untuned choice (``--triton off`` shows
 cuBLAS's). The memory plan is XLA's own: on an H200 it came within 2.5% of the device's
@@ -70,8 +72,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from autocast._src.tools import estimate, xla_program  # noqa: E402
 from autocast._src.tools import plan as planning  # noqa: E402
-from autocast._src.tools import xla_program  # noqa: E402
 
 MiB = 2**20
 DEVICES = ("H100", "H200")
@@ -108,6 +110,34 @@ MEASURED_H100 = {
 }
 # Each device's measured peaks and the commit they were measured at.
 MEASUREMENTS = {MEASURED_ON: (MEASURED_AT, MEASURED), "H100": ("6b6f5fd", MEASURED_H100)}
+# Step times measured on the same two GPUs at the same commits (docs/benchmarks.md): ms, by
+# row, the yardstick of the plan's time estimate.
+MEASURED_MS = {
+    ("GPT-2 small", "hand bf16", "fused"): 25.5,
+    ("GPT-2 small", "amp bf16", "fused"): 24.1,
+    ("GPT-2 small", "amp fp8", "fused"): 28.0,
+    ("GPT-2 small", "hand bf16", "naive"): 47.0,
+    ("GPT-2 small", "amp bf16", "naive"): 37.2,
+    ("GPT-2 medium", "hand bf16", "fused"): 63.7,
+    ("GPT-2 medium", "amp bf16", "fused"): 59.9,
+    ("GPT-2 medium", "amp fp8", "fused"): 65.6,
+    ("GPT-2 medium", "amp fp8 delay", "fused"): 66.1,
+    ("GPT-2 medium", "amp fp8 dq", "fused"): 107.3,
+    ("decoder 24x2048", "hand bf16", "fused"): 101.2,
+    ("decoder 24x2048", "amp bf16", "fused"): 93.1,
+    ("decoder 24x2048", "amp fp8", "fused"): 92.0,
+    ("decoder 24x2048", "amp fp8 delay", "fused"): 93.4,
+    ("ResNet-18", "flax bf16", "-"): 8.3,
+    ("ResNet-18", "amp bf16", "-"): 8.5,
+}
+MEASURED_MS_H100 = {
+    ("GPT-2 medium", "amp bf16", "fused"): 58.1,
+    ("GPT-2 medium", "amp fp8", "fused"): 60.9,
+    ("decoder 24x2048 b8", "amp bf16", "fused"): 157.6,
+}
+STEP_TIMES = {MEASURED_ON: MEASURED_MS, "H100": MEASURED_MS_H100}
+# The rows a GPU has timed, for ``--measured``: every one on the device that timed it.
+TIMED_ROWS = tuple((*row, device) for device, rows in STEP_TIMES.items() for row in rows)
 # torch.compile's measured peaks on the same GPTs (the H200's run), the memory targets'
 # yardstick.
 TORCH_COMPILE = {"GPT-2 small": 7178, "GPT-2 medium": 14723}
@@ -263,7 +293,7 @@ def program(
 
 def known_rows() -> dict[str, tuple[str, ...]]:
     """Model -> the variants a row may name."""
-    gpt = (*gpu_step.GPT_VARIANTS, gpu_step.MERGED_VARIANT)
+    gpt = (*gpu_step.GPT_VARIANTS, gpu_step.MERGED_VARIANT, *gpu_step.FORM_VARIANTS)
     rows = {m: gpt for m, c in gpu_step.MODELS.items() if c["kind"] == "gpt"}
     rows["ResNet-18"] = gpu_step.RESNET_VARIANTS
     rows.update({m: MLP_VARIANTS for m in MLP})
@@ -317,6 +347,7 @@ def plan(
             {"kind": kind, "detail": detail, "source": source, "launches": n}
             for (kind, detail, source), n in gemms.most_common()
         ],
+        "estimate": None if device in TPUS else _estimate(read, device),
         "float8_passes": xla_program.float8_passes(read),
         "float8_preparation": xla_program.float8_preparation(read),
         "products": dict(xla_program.product_operand_types(read).most_common()),
@@ -331,6 +362,18 @@ def plan(
             }
             for k in heaviest
         ],
+    }
+
+
+def _estimate(read: xla_program.Program, device: str) -> dict:
+    """The step's time estimated from its kernels (``autocast._src.tools.estimate``), ms."""
+    e = estimate.step_time(read, device.lower())
+    return {
+        "ms": e.seconds * 1e3,
+        "roofline_ms": e.roofline_seconds * 1e3,
+        "matrix_ms": e.matrix_seconds * 1e3,
+        "memory_ms": e.memory_seconds * 1e3,
+        "launches": e.launches,
     }
 
 
@@ -380,6 +423,14 @@ def _print_details(label: str, p: dict, measured: float | None, device: str) -> 
     if measured:
         line += f"; measured {measured:.0f} on an {device} at {MEASUREMENTS[device][0]}"
     print(line + f"; compiled in {p['compile_s']:.1f} s")
+    if p.get("estimate"):
+        e = p["estimate"]
+        print(
+            f"  time estimate {e['ms']:.1f} ms; roofline {e['roofline_ms']:.1f} ms"
+            f" ({e['matrix_ms']:.1f} in kernels their arithmetic bounds, {e['memory_ms']:.1f}"
+            f" in kernels their bytes bound), {e['launches']} launches"
+            + (f"; measured {p['measured_ms']} ms" if p.get("measured_ms") else "")
+        )
     print("  largest buffers live at the peak:")
     for b in p["buffers"]:
         print(f"    {b['mib']:9.1f} MiB  {b['shape']:26} {b['made_by']:48.48} {b['source']}")
@@ -426,6 +477,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         default="",
         help="Triton GEMM fusions 'on', 'off' or 'on,off' (default: on; both for the linear rows)",
     )
+    parser.add_argument(
+        "--measured",
+        action="store_true",
+        help="every row a GPU has timed, on that GPU only (the time estimate's check)",
+    )
     parser.add_argument("--brief", action="store_true", help="the table only, no details")
     parser.add_argument("--json", default="", help="default: benchmarks/{gpu,tpu}_plan.json")
     options = parser.parse_args(argv)
@@ -451,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error(
             f"--devices: unknown {', '.join(unknown)}; choose from {', '.join([*DEVICES, *TPUS])}"
         )
+    planned = [(*row, devices) for row in rows]
+    if options.measured:
+        planned = [(m, v, a, [d]) for m, v, a, d in TIMED_ROWS]
     settings = [s.strip() for s in options.triton.split(",") if s.strip()]
     if any(s not in ("on", "off") for s in settings):
         parser.error("--triton takes 'on', 'off' or 'on,off'")
@@ -460,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     results: dict[str, Any] = {}
     table = []
-    for model, variant, attention in rows:
+    for model, variant, attention, devices in planned:
         programs = {}
         tritons = settings or (["on", "off"] if model in LINEAR else ["on"])
         for device in devices:
@@ -477,6 +536,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 if not options.tiny and device in MEASUREMENTS and triton == "on":
                     measured = MEASUREMENTS[device][1].get((model, variant, attention))
                 p["measured_mib"] = measured
+                timed = STEP_TIMES.get(device, {}) if not options.tiny and triton == "on" else {}
+                p["measured_ms"] = timed.get((model, variant, attention))
                 results[label] = p
                 if "refused" in p:
                     print(f"\n== {label}\nrefused by the compiler: {p['refused']}")
@@ -486,7 +547,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 Path(options.json).write_text(json.dumps(results, indent=1))
     print(
         f"\n{'model':18} {'variant':16} {'attn':5} {'device':6} {'Triton':6} {'peak MiB':>9} "
-        f"{'temp MiB':>9} {'measured':>8} {'plan/meas':>9}  GEMMs and cuDNN calls per step"
+        f"{'temp MiB':>9} {'measured':>8} {'plan/meas':>9} {'roof ms':>7} {'est ms':>7} "
+        f"{'meas ms':>7} {'est/meas':>8}  GEMMs and cuDNN calls per step"
     )
     for model, variant, attention, device, triton, p, measured in table:
         if "refused" in p:
@@ -496,10 +558,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
             )
             continue
         ratio = f"{p['peak_mib'] / measured:.3f}" if measured else "-"
+        est = f"{p['estimate']['ms']:.1f}" if p.get("estimate") else "-"
+        roof = f"{p['estimate']['roofline_ms']:.1f}" if p.get("estimate") else "-"
+        timed = p.get("measured_ms")
+        by = f"{p['estimate']['ms'] / timed:.2f}" if timed and p.get("estimate") else "-"
         print(
             f"{model:18} {variant:16} {attention:5} {device:6} {triton:6} {p['peak_mib']:9.0f} "
-            f"{p['temporaries_mib']:9.0f} {measured or '-':>8} {ratio:>9}  "
-            + _gemm_summary(p, device in TPUS)
+            f"{p['temporaries_mib']:9.0f} {measured or '-':>8} {ratio:>9} {roof:>7} {est:>7} "
+            f"{timed or '-':>7} {by:>8}  " + _gemm_summary(p, device in TPUS)
         )
     if not options.tiny:
         print(
@@ -509,7 +575,54 @@ def main(argv: Sequence[str] | None = None) -> dict:
             + ", ".join(f"{m} {v} MiB" for m, v in TORCH_COMPILE.items())
             + ")"
         )
+    if options.measured:
+        _check_estimate(table)
     return results
+
+
+# Pairs of variants whose order in time a device measured: (faster or slower, than).
+_ORDERED = (("amp fp8", "amp bf16"), ("amp bf16", "hand bf16"), ("amp bf16", "flax bf16"))
+
+
+def _check_estimate(table: list) -> None:
+    """The time estimate against the measured steps: the ratios' range, the order of each
+    measured pair as the roofline, the estimate and the device put it, and the estimate's two
+    constants fitted afresh to the 16-bit steps (to set beside ``estimate``'s)."""
+    timed = {
+        (model, attention, device, variant): (p["estimate"], p["measured_ms"])
+        for model, variant, attention, device, _, p, _ in table
+        if p.get("estimate") and p.get("measured_ms")
+    }
+    for key in ("roofline_ms", "ms"):
+        ratios = [e[key] / m for e, m in timed.values()]
+        print(f"{key}: estimate / measured from {min(ratios):.2f} to {max(ratios):.2f}")
+    print("order (a / b: roofline, estimate, measured):")
+    for (model, attention, device, variant), (e, m) in timed.items():
+        for a, b in _ORDERED:
+            other = timed.get((model, attention, device, b))
+            if variant != a or other is None:
+                continue
+            roof, est, meas = (
+                e["roofline_ms"] / other[0]["roofline_ms"],
+                e["ms"] / other[0]["ms"],
+                m / other[1],
+            )
+            agree = "agrees" if (est > 1) == (meas > 1) else "disagrees"
+            print(
+                f"  {model} ({attention}) on an {device}, {a} / {b}: {roof:.2f}, {est:.2f},"
+                f" {meas:.2f}"
+                f" (the estimate {agree})"
+            )
+    sixteen = [(e, m) for (*_, v), (e, m) in timed.items() if "fp8" not in v]
+    a = np.array([[e["matrix_ms"], e["launches"] * 1e-3] for e, _ in sixteen])
+    y = np.array([m - e["memory_ms"] for e, m in sixteen])
+    w = 1 / np.array([m for _, m in sixteen])
+    (inverse, launch), *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
+    print(
+        f"fitted to the {len(sixteen)} 16-bit steps: tensor efficiency {1 / inverse:.3f}, "
+        f"{launch:.2f} us a launch (estimate.py: {estimate.TENSOR_EFFICIENCY}, "
+        f"{estimate.LAUNCH_SECONDS * 1e6:.1f})"
+    )
 
 
 if __name__ == "__main__":

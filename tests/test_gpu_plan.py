@@ -52,6 +52,7 @@ def test_kernels_are_read_with_their_kind_runs_and_traffic(program):
         "loop_dus_fusion",
         "loop_slice_fusion",
         "loop_dus_bitcast_fusion",
+        "cudnn-conv",
     }
     f8 = kernels["cublas-gemm.1"]
     assert f8.kind == "float8 cuBLASLt GEMM" and f8.runs == 1
@@ -61,6 +62,13 @@ def test_kernels_are_read_with_their_kind_runs_and_traffic(program):
     assert f8.source == "model.py:12 (loss)"  # the user's frame, not the library's
     gemm = kernels["gemm_fusion"]
     assert (gemm.kind, gemm.runs, gemm.detail) == ("Triton GEMM fusion", 2, "bf16xbf16 -> bf16")
+    # the matrix kernels' work: 2 x outputs x contraction, in the arithmetic of their operands
+    assert (f8.flops, f8.math) == (2 * 64 * 16 * 32, "f8")
+    assert (gemm.flops, gemm.math) == (2 * 4 * 8 * 16, "16-bit")
+    conv = kernels["cudnn-conv"]
+    # 2 x the output's 2048 elements x one output's 3 x 3 x 4 inputs
+    assert (conv.kind, conv.flops, conv.math) == ("cuDNN convolution", 2 * 2048 * 36, "16-bit")
+    assert kernels["loop_dus_fusion"].flops == 0
     # a loop's in-place update writes its slice and reads the slice's value, not the stack
     dus = kernels["loop_dus_fusion"]
     assert (dus.runs, dus.reads, dus.writes) == (2, 4 + 4 * 8 * 2, 4 * 8 * 2)
@@ -93,6 +101,47 @@ def test_measured_figures_are_those_of_the_docs_gpu_table():
         assert len(figures) == rows and all(f"| {value} |" in gpu for value in figures), name
 
 
+def test_measured_step_times_are_those_of_the_docs_gpu_tables():
+    source = (ROOT / "benchmarks" / "gpu_plan.py").read_text()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    tables = (("MEASURED_MS", "## On a GPU", 16), ("MEASURED_MS_H100", "### An H100", 3))
+    for name, section, rows in tables:
+        table = source.split(f"{name} = {{")[1].split("}")[0]
+        figures = re.findall(r"\): ([\d.]+),", table)
+        gpu = docs.split(section)[1].split("\n#")[0]
+        shown = [f"| {v} |" in gpu or f"| **{v}** |" in gpu for v in figures]  # bold: amp's
+        assert len(figures) == rows and all(shown), name
+
+
+class _Kernels:
+    def __init__(self, *kernels):
+        self._kernels = list(kernels)
+
+    def kernels(self):
+        return self._kernels
+
+
+def test_the_time_estimate_is_the_roofline_with_an_efficiency_and_a_launch_cost():
+    from autocast._src.tools import estimate
+
+    # a float8 GEMM its arithmetic bounds, run twice, and an elementwise kernel of 3.35 GB
+    gemm = xla_program.Kernel("Triton GEMM fusion", "g", 2, 10**6, 10**6, "", "", 10**12, "f8")
+    fusion = xla_program.Kernel("fusion", "f", 1, 2 * 10**9, 135 * 10**7, "", "", 0, "")
+    e = estimate.step_time(_Kernels(gemm, fusion), "h100")
+    matrix, memory = 2 * 10**12 / 1979e12, 1e-3
+    assert e.matrix_seconds == pytest.approx(matrix) and e.memory_seconds == pytest.approx(memory)
+    assert e.roofline_seconds == pytest.approx(matrix + memory) and e.launches == 3
+    assert e.seconds == pytest.approx(
+        matrix / estimate.TENSOR_EFFICIENCY + memory + 3 * estimate.LAUNCH_SECONDS
+    )
+    # the H200 differs by its memory alone
+    assert estimate.step_time(_Kernels(fusion), "h200").memory_seconds == pytest.approx(
+        3.35e9 / 4.8e12
+    )
+    with pytest.raises(ValueError, match="h100, h200"):
+        estimate.step_time(_Kernels(fusion), "a100")
+
+
 @pytest.mark.slow
 @needs_gpu_plan_venv
 def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
@@ -106,6 +155,9 @@ def test_tiny_plans_compile_for_a_gpu_without_one(tmp_path):
     assert gpt["kernels"]["cuDNN attention"]["launches"] >= 2
     for p in (linear, gpt):
         assert p["peak_mib"] > p["temporaries_mib"] > 0 and p["buffers"]
+        # a time beside the memory: the roofline, and the estimate above it
+        e = p["estimate"]
+        assert e["ms"] > e["roofline_ms"] >= e["matrix_ms"] >= 0 and e["launches"] > 3
     assert "largest buffers live at the peak" in printed
     # current scaling reads each float8 operand once for its amax, in a kernel of its own;
     # a bfloat16 step has no such kernel

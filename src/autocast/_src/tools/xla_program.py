@@ -166,8 +166,9 @@ def _instruction(line: str, computation: str) -> Instruction | None:
 @dataclasses.dataclass
 class Kernel:
     """One kernel launch site: its kind, the instruction, how many times one step runs it,
-    the bytes it reads and writes per run, and what it says of itself (a GEMM's output type
-    and scales)."""
+    the bytes it reads and writes per run, what it says of itself (a GEMM's output type
+    and scales), and for a matrix kernel (a GEMM, cuDNN's attention or convolution) the
+    floating-point operations of one run and the arithmetic they run in (:data:`MATH`)."""
 
     kind: str
     name: str
@@ -176,6 +177,8 @@ class Kernel:
     writes: int
     detail: str
     source: str
+    flops: int = 0
+    math: str = ""
 
 
 @dataclasses.dataclass
@@ -491,15 +494,117 @@ def _kernels(program: Program) -> Iterator[Kernel]:
             outs = outs[:-1]  # the GEMM's workspace
         reads, written = _traffic(program, ins, outs)
         detail = _gemm_detail(program, ins, kind) if kind in GEMM_KINDS else ""
-        yield Kernel(
-            kind,
-            ins.name,
-            runs,
-            reads,
-            written,
-            detail,
-            program.source(ins),
-        )
+        flops, math = _work(program, ins, kind)
+        yield Kernel(kind, ins.name, runs, reads, written, detail, program.source(ins), flops, math)
+
+
+# The arithmetic a matrix kernel runs in, by its first operand's element type: each has a
+# peak rate of its own on a GPU (benchmarks' device tables). A float32 product runs in TF32
+# on the tensor cores unless it asks for exact sums (precision HIGHEST).
+MATH = ("f8", "16-bit", "tf32", "f32")
+_MATH_OF = {"bf16": "16-bit", "f16": "16-bit", "f32": "tf32"}
+
+
+def _math(dtype: str, precision: str) -> str:
+    if dtype in _FLOAT8:
+        return "f8"
+    math = _MATH_OF.get(dtype, "f32")
+    return "f32" if math == "tf32" and "highest" in precision.lower() else math
+
+
+def _product_flops(out: Array, lhs: Array, contracting: list[int]) -> int:
+    """2 x output elements x the contracted extent."""
+    k = 1
+    for d in contracting:
+        k *= lhs.dims[d] if d < len(lhs.dims) else 1
+    return 2 * _elements([out]) * k
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in re.findall(r"\d+", text)]
+
+
+def _output_shape_of(program: Program, name: str) -> Array | None:
+    producer = program.instructions.get(name)
+    return producer.outputs[0] if producer is not None and producer.outputs else None
+
+
+def _dot_work(program: Program, dot: Instruction) -> tuple[int, str]:
+    lhs = program.instructions.get(dot.operands[0]) if dot.operands else None
+    if lhs is None or not lhs.outputs or not dot.outputs:
+        return 0, ""
+    contracting = _dims(dot.attributes.partition("lhs_contracting_dims={")[2].split("}")[0])
+    precision = dot.attributes.split("operand_precision={", 1)[-1][:40]
+    flops = _product_flops(dot.outputs[0], lhs.outputs[0], contracting)
+    return flops, _math(lhs.outputs[0].dtype, precision)
+
+
+def _work(program: Program, ins: Instruction, kind: str) -> tuple[int, str]:
+    """``(FLOPs, math)`` of one run of a matrix kernel; ``(0, "")`` for any other."""
+    if kind in ("Triton GEMM fusion", "cuDNN fusion", "fusion"):
+        dot = _dot_in(program, ins.attribute("calls")) if kind != "fusion" else None
+        return _dot_work(program, dot) if dot is not None else (0, "")
+    if kind in ("float8 cuBLASLt GEMM", "cuBLASLt GEMM", "cuBLAS GEMM"):
+        config = ins.backend_config.get("gemm_backend_config", {})
+        numbers = config.get("dot_dimension_numbers", {})
+        lhs = _output_shape_of(program, ins.operands[0]) if ins.operands else None
+        if lhs is None or not ins.outputs:
+            return 0, ""
+        contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+        precision = " ".join(config.get("precision_config", {}).get("operand_precision", []))
+        return _product_flops(ins.outputs[0], lhs, contracting), _math(lhs.dtype, precision)
+    if kind == "cuDNN attention":
+        return _attention_work(program, ins)
+    if kind == "cuDNN convolution":
+        return _convolution_work(program, ins)
+    return 0, ""
+
+
+def _attention_work(program: Program, ins: Instruction) -> tuple[int, str]:
+    """cuDNN's fused attention: two products of ``batch x heads x queries x keys x head
+    dim`` forward, five backward (the scores recomputed, then the gradients of the values,
+    the probabilities, the queries and the keys), half of them under a causal mask."""
+    config = ins.backend_config.get("cudnn_fmha_backend_config", {})
+    scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+    q = _output_shape_of(program, ins.operands[0]) if ins.operands else None
+    numbers = config.get("bmm1_dot_dimension_numbers") or config.get(
+        "bmm1_grad_gemm1_dot_dimension_numbers", {}
+    )
+    if not scores or q is None:
+        return 0, ""
+    head = 1
+    if "bmm1_dot_dimension_numbers" in config:
+        for d in numbers.get("lhs_contracting_dimensions", []):
+            head *= q.dims[int(d)]
+    else:
+        head = q.dims[-1]
+    products = 5 if "Backward" in (ins.attribute("custom_call_target") or "") else 2
+    flops = 2 * products * _elements([Array("bf16", tuple(scores))]) * head
+    if config.get("mask_type", "").startswith("CAUSAL"):
+        flops //= 2
+    return flops, _math(q.dtype, "")
+
+
+def _convolution_work(program: Program, ins: Instruction) -> tuple[int, str]:
+    """A cuDNN convolution, forward or either backward one: 2 x the forward output's
+    elements x the filter's elements over its output features (the window and the input
+    features of a group), whichever of the three this kernel computes."""
+    target = ins.attribute("custom_call_target") or ""
+    labels = ins.attribute("dim_labels") or ""
+    filter_labels = labels.split("_", 1)[-1].split("->")[0]
+    shapes = [_output_shape_of(program, n) for n in ins.operands[:2]]
+    if None in shapes or not ins.outputs or "o" not in filter_labels:
+        return 0, ""
+    (first, second), result = shapes, ins.outputs[0]
+    if "BackwardInput" in target:
+        output, kernel = first, second
+    elif "BackwardFilter" in target:
+        output, kernel = second, result
+    else:
+        output, kernel = result, second
+    features = kernel.dims[filter_labels.index("o")]
+    flops = 2 * _elements([output]) * (_elements([kernel]) // max(features, 1))
+    return flops, _math(first.dtype, "")
 
 
 def _peak(text: str) -> tuple[list[tuple[str, int]], int | None]:
