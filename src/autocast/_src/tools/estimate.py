@@ -17,21 +17,14 @@ microseconds whatever it does. The float8 steps, which the fit did not see, are 
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
 
-from autocast._src.tools import xla_program
-
-_DESCRIPTIONS = Path(__file__).parent / "gpu_devices"
+from autocast._src.tools import plan, xla_program
 
 # Dense tensor-core peaks in FLOP/s by arithmetic (xla_program.MATH), from NVIDIA's published
-# figures for the SXM parts (H100 and H200 are the same chip; they differ in memory), and
-# the description file that holds each one's memory bandwidth.
+# figures for the SXM parts: H100 and H200 are the same chip and differ in memory, whose
+# bandwidth their device descriptions hold (autocast.plan's GPU targets).
 _HOPPER = {"f8": 1979e12, "16-bit": 989.4e12, "tf32": 494.7e12, "f32": 66.9e12}
-PEAKS: dict[str, tuple[str, dict[str, float]]] = {
-    "h100": ("h100_sxm.txtpb", _HOPPER),
-    "h200": ("h200_sxm.txtpb", _HOPPER),
-}
+PEAKS: dict[str, dict[str, float]] = {"h100": _HOPPER, "h200": _HOPPER}
 
 
 # The fraction of the tensor cores' peak the matrix kernels reach, and the time each launch
@@ -44,11 +37,11 @@ LAUNCH_SECONDS = 6.7e-6
 
 def memory_bandwidth(gpu: str) -> float:
     """Bytes per second of ``gpu``'s memory, as its device description gives it."""
-    text = (_DESCRIPTIONS / _peaks(gpu)[0]).read_text()
-    return float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1))
+    _peaks(gpu)
+    return float(plan.description_field(gpu, "memory_bandwidth"))
 
 
-def _peaks(gpu: str) -> tuple[str, dict[str, float]]:
+def _peaks(gpu: str) -> dict[str, float]:
     if gpu not in PEAKS:
         raise ValueError(f"no peak rates for GPU {gpu!r}; known: {', '.join(PEAKS)}")
     return PEAKS[gpu]
@@ -85,7 +78,7 @@ def step_time(program: xla_program.Program, gpu: str) -> Estimate:
     >>> memory_bandwidth("h100") / 1e12
     3.35
     """
-    _, rates = _peaks(gpu)
+    rates = _peaks(gpu)
     bandwidth = memory_bandwidth(gpu)
     matrix = memory = 0.0
     launches = 0

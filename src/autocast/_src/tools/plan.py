@@ -330,8 +330,13 @@ def _gpu_devices(gpu: str) -> list[Any]:
 
 
 def _gpu_memory(gpu: str) -> int:
+    return description_field(gpu, "device_memory_size")
+
+
+def description_field(gpu: str, field: str) -> int:
+    """An integer field of ``gpu``'s device description (``memory_bandwidth``, ...)."""
     text = (_DEVICES / _GPUS[gpu]).read_text()
-    return int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+    return int(re.search(rf"{field}:\s*(\d+)", text).group(1))
 
 
 def _cuda_versions() -> str:

@@ -11,7 +11,8 @@ Triton's GEMM fusions, cuDNN fusions), custom calls (cuBLAS(Lt) GEMMs, float8 on
 them, cuDNN attention and convolutions) and the few unfused copies and collectives, in the
 entry computation and in the bodies of its loops and branches (a loop body's kernels count
 once per iteration where XLA knows the trip count). What a kernel reads is the sum of its
-operands, what it writes the sum of its results (a GEMM's scratch workspace left out).
+operands, what it writes the sum of its results (a GEMM's scratch workspace left out); a
+matrix kernel also gives its floating-point operations and the arithmetic they run in.
 """
 
 from __future__ import annotations
@@ -200,9 +201,14 @@ class Program:
     locations: dict[int, list[tuple[str, int, str]]]
     peak_buffers: list[Buffer]
     peak_bytes: int | None
+    _read: list[Kernel] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def kernels(self) -> list[Kernel]:
-        return list(_kernels(self))
+        """The kernels one run launches, in launch order; read once, on the first call (the
+        plan, its float8 listing and its time estimate all read them)."""
+        if self._read is None:
+            self._read = list(_kernels(self))
+        return self._read
 
     def source(self, ins: Instruction) -> str:
         frame = ins.attribute("stack_frame_id")
@@ -541,8 +547,8 @@ def _dot_work(program: Program, dot: Instruction) -> tuple[int, str]:
 
 def _work(program: Program, ins: Instruction, kind: str) -> tuple[int, str]:
     """``(FLOPs, math)`` of one run of a matrix kernel; ``(0, "")`` for any other."""
-    if kind in ("Triton GEMM fusion", "cuDNN fusion", "fusion"):
-        dot = _dot_in(program, ins.attribute("calls")) if kind != "fusion" else None
+    if kind in ("Triton GEMM fusion", "cuDNN fusion"):
+        dot = _dot_in(program, ins.attribute("calls"))
         return _dot_work(program, dot) if dot is not None else (0, "")
     if kind in ("float8 cuBLASLt GEMM", "cuBLASLt GEMM", "cuBLAS GEMM"):
         config = ins.backend_config.get("gemm_backend_config", {})
@@ -567,17 +573,15 @@ def _attention_work(program: Program, ins: Instruction) -> tuple[int, str]:
     config = ins.backend_config.get("cudnn_fmha_backend_config", {})
     scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
     q = _output_shape_of(program, ins.operands[0]) if ins.operands else None
-    numbers = config.get("bmm1_dot_dimension_numbers") or config.get(
-        "bmm1_grad_gemm1_dot_dimension_numbers", {}
-    )
     if not scores or q is None:
         return 0, ""
+    # the head dimension: what the scores contract the queries over (forward), else the
+    # queries' last dimension (the backward kernel names no such product)
+    numbers = config.get("bmm1_dot_dimension_numbers", {})
+    contracted = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])] or [-1]
     head = 1
-    if "bmm1_dot_dimension_numbers" in config:
-        for d in numbers.get("lhs_contracting_dimensions", []):
-            head *= q.dims[int(d)]
-    else:
-        head = q.dims[-1]
+    for d in contracted:
+        head *= q.dims[d]
     products = 5 if "Backward" in (ins.attribute("custom_call_target") or "") else 2
     flops = 2 * products * _elements([Array("bf16", tuple(scores))]) * head
     if config.get("mask_type", "").startswith("CAUSAL"):
