@@ -4,7 +4,9 @@ For each model, amp bfloat16, amp float8 (e4m3 forward operands, e5m2 output gra
 per-tensor current scaling; attention's batched products in bfloat16), to show what that
 choice saves amp float8 with the batched products in float8 too ("fp8 all"), and
 ``autocast.amp_fp8_delayed`` ("fp8 delay", history 16: scales from past steps' amax; products
-inside loops keep current scaling). Columns:
+inside loops keep current scaling), and the finer scales: ``compute_dtype="fp8_rowwise"``
+("fp8 rows", a scale per row) and ``"mxfp8"`` (a scale per 32 contracted elements; where the
+installed JAX has ``jax.lax.scaled_dot``). Columns:
 
 - ``8b fwd``, ``8b bwd``: share of matmul/conv FLOPs whose operands are all 8-bit, in the
   forward pass and in the backward pass (read off the jaxpr of ``jax.value_and_grad``);
@@ -20,6 +22,9 @@ inside loops keep current scaling). Columns:
 - ``trained``, ``vs bf16``: for the demo's GPT, the mean loss of the last 10 of 150 Adam
   steps (learning rate 1e-3) on fresh generated token windows, and its deviation from amp
   bfloat16's.
+
+After the table, one product with an outlier row (a token 2**20 times the others): the error
+of the other rows' results against float32 in each scaling.
 
 Step time against bfloat16 is in ``make bench``'s ``step`` section (a GPU, or
 ``--step-figures``): on a CPU, XLA runs float8 products by converting them, so no speed-up
@@ -51,6 +56,11 @@ TRAIN_STEPS = 150
 HISTORY = 16
 # The default recipe with attention's batched products in float8 as well.
 ALL_PRODUCTS = dataclasses.replace(fp8.DEFAULT_RECIPE, batched_products=True)
+# The finer-scaled recipes, by the name of their row.
+FINER = {
+    "fp8 rows": "fp8_rowwise",
+    **({"mxfp8": "mxfp8"} if hasattr(jax.lax, "scaled_dot") else {}),
+}
 
 
 def _has_e5m2(dtypes: list[Any]) -> bool:
@@ -100,6 +110,7 @@ def main() -> dict[str, dict]:
             # the first step after init: the same scales as current scaling's (shares and
             # activation memory read off this closure; the rest take the history as an argument)
             "fp8 delay": lambda *a, _h=history: delayed(_h, *a),
+            **{v: autocast.amp(loss_fn, compute_dtype=c) for v, c in FINER.items()},
         }
         rows = results[name] = {}
         for variant, fn in variants.items():
@@ -141,7 +152,26 @@ def main() -> dict[str, dict]:
                 f"{r['bytes'] / rows['amp bf16']['bytes']:10.2f} {r['q_passes']:8d} "
                 f"{r['serial']:6d} {trained}"
             )
+    results["outlier row"] = outlier_row()
     return results
+
+
+def outlier_row(m: int = 256, k: int = 1024, n: int = 1024) -> dict[str, float]:
+    """The relative error against float32 of the rows of ``x @ w`` beside an outlier row
+    (2**20 times the others), per float8 scaling; printed and returned."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(kx, (m, k)).at[0].multiply(2.0**20)
+    w = jax.random.normal(kw, (k, n)) / k**0.5
+    want = x @ w
+    errors = {}
+    for variant, compute_dtype in {"amp fp8": "fp8", **FINER}.items():
+        got = jax.jit(autocast.amp(lambda x, w: x @ w, compute_dtype=compute_dtype))(x, w)
+        errors[variant] = _measure.relative_error(got[1:], want[1:])
+    print(
+        f"x ({m}, {k}) @ w ({k}, {n}), row 0 x 2**20: the other rows' error against float32: "
+        + ", ".join(f"{v} {e:.4f}" for v, e in errors.items())
+    )
+    return errors
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ from autocast._src.tools import estimate, xla_program  # noqa: E402
 from autocast._src.tools import plan as planning  # noqa: E402
 
 MiB = 2**20
-DEVICES = ("H100", "H200")
+# B200 only when named (--devices): no GPU of it has measured these steps
+DEVICES = ("H100", "H200", "B200")
 # TPU targets: one chip each (autocast.plan's "tpu-v5e" and the others)
 TPUS = ("v5e", "v5p", "v6e")
 
@@ -293,7 +294,12 @@ def program(
 
 def known_rows() -> dict[str, tuple[str, ...]]:
     """Model -> the variants a row may name."""
-    gpt = (*gpu_step.GPT_VARIANTS, gpu_step.MERGED_VARIANT, *gpu_step.FORM_VARIANTS)
+    gpt = (
+        *gpu_step.GPT_VARIANTS,
+        gpu_step.MERGED_VARIANT,
+        *gpu_step.FORM_VARIANTS,
+        *gpu_step.SCALING_VARIANTS,
+    )
     rows = {m: gpt for m, c in gpu_step.MODELS.items() if c["kind"] == "gpt"}
     rows["ResNet-18"] = gpu_step.RESNET_VARIANTS
     rows.update({m: MLP_VARIANTS for m in MLP})

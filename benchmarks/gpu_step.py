@@ -88,6 +88,9 @@ STATE_VARIANTS = {
 # The float8 variants with their products written in the other form XLA may match to a
 # float8 GEMM (``autocast._src.fp8.products.GEMM_FORMS``): run only when asked for by name.
 FORM_VARIANTS = {"amp fp8 dq": "dequantised", "amp fp8 delay dq": "dequantised"}
+# The float8 variants with finer scales (docs/fp8.md, "Finer scales"): their compute dtypes;
+# run only when asked for by name ("amp mxfp8" needs a Blackwell GPU or a plan for one).
+SCALING_VARIANTS = {"amp fp8 rowwise": "fp8_rowwise", "amp mxfp8": "mxfp8"}
 # amp bf16 with its recomputed chains merged back into the forward pass by XLA (no
 # ``prevent_cse`` barrier outside loops, ``recompute.PREVENT_CSE_OUTSIDE_LOOPS``): what real
 # recomputation costs in time against the memory it saves; run only when asked for by name.
@@ -167,7 +170,8 @@ def _gpt_step(
         loss = autocast.amp_fp8_delayed(loss, history=16)
     elif variant.startswith("amp"):
         bf16 = variant.startswith("amp bf16")
-        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if bf16 else "fp8")
+        float8 = SCALING_VARIANTS.get(variant, "fp8")
+        loss = autocast.amp(loss, compute_dtype=jnp.bfloat16 if bf16 else float8)
     if variant in STATE_VARIANTS:
         params, optimizer = _state_in(STATE_VARIANTS[variant], params, optimizer)
     # the state is (float8 history or None, parameters)

@@ -13,7 +13,8 @@
 - ``scaling``: loss scaling: one core (``core``: the rule, the floor, the health counters,
   finiteness), and thin faces: jmp's loss-scale objects (``jmp``), jaxamp's
   ``DynamicScalerState`` and ``dynamic_scale_*`` (``jaxamp``), optax's wrapper (``optax``).
-- ``fp8``: the float8 recipes, plugged into the policy table.
+- ``fp8``: the float8 recipes (a scale per tensor, per row or per block; delayed scaling),
+  plugged into the policy table.
 - ``tools``: the precision report, the numerics debugger (``diagnose``, with the paired
   evaluation and provenance walk it uses), and the measures they share.
 - ``demo``: the main job (``python -m autocast demo``) and its small models.

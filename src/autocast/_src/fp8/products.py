@@ -12,9 +12,10 @@ NVIDIA's Transformer Engine. Products accumulate in float32 and write bfloat16
 (``preferred_element_type``), multiplied by the product of the two scales, which XLA folds
 into the FP8 GEMM of GPUs that have one (:func:`scaled_product`); bfloat16 carries it on.
 
-``jax.nn.scaled_dot_general`` is not used: it implements block scaling (MXFP8, NVFP4, one
-scale per 32 elements), which needs contraction sizes divisible by the block and hardware
-from NVIDIA's Blackwell generation on, and has no convolution.
+Two recipes scale more finely (:mod:`autocast._src.fp8.finer_scaling`): ``"fp8_rowwise"``, a
+scale per row of each operand, and ``"mxfp8"``, a scale per 32 contracted elements (block
+scaling, for NVIDIA's Blackwell GPUs). ``jax.nn.scaled_dot_general`` is not used for the
+latter: on a CPU it has no lowering, so its numerics could not be checked there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from autocast import _compat
-from autocast._src.float32_bits import MANTISSA_BITS, exponent, two_to
+from autocast._src.float32_bits import exponent, two_to
+from autocast._src.fp8 import finer_scaling
+from autocast._src.fp8.numerics import (
+    CARRIER,
+    EXACT_SUMS,
+    TINY,
+    first_derivative_only,
+    gemm_dtype,
+    memo,
+    power_of_two_at_or_above,
+)
 from autocast._src.policy.casting import castable
 from autocast._src.policy.dtypes import canonicalize_float_dtype
 from autocast._src.policy.precision import (
@@ -41,8 +52,6 @@ from autocast._src.policy.target import Target
 
 _F32 = np.dtype(np.float32)
 
-# What everything but the scaled products runs in (the bfloat16 rules).
-CARRIER = np.dtype(jnp.bfloat16)
 
 # Forward format -> the format of the output gradients in the backward products. e5m2
 # forward means e5m2 everywhere (refused on NVIDIA's GPUs: see float8_refusal); the
@@ -55,7 +64,15 @@ GRADIENT_FORMAT: dict[np.dtype, np.dtype] = {
 }
 # Spellings of the default recipe, e4m3 forward and e5m2 gradients.
 _NAMES = ("fp8", "float8")
-ACCEPTED = ", ".join([*(repr(n) for n in _NAMES), *(d.name for d in GRADIENT_FORMAT)])
+# How a recipe scales its dot_general operands: one scale per tensor, per row (along what the
+# product contracts), or per block of 32 contracted elements (MXFP8). Convolutions take one
+# scale per tensor in every recipe.
+SCALINGS = ("tensor", "row", "block")
+# The finer-scaled recipes by name (made below, once Recipe exists).
+_FINER_NAMES = ("fp8_rowwise", "mxfp8")
+ACCEPTED = ", ".join(
+    [*(repr(n) for n in (*_NAMES, *_FINER_NAMES)), *(d.name for d in GRADIENT_FORMAT)]
+)
 
 # The products the recipe scales, and those of them whose operands must share one dtype
 # (JAX refuses a convolution of e5m2 by e4m3; a dot_general takes them).
@@ -69,38 +86,75 @@ class Recipe:
     whether batched products (attention's) run in float8 too, which by default they do
     not (see :func:`_pays_in_float8`); and the scaling: ``history`` 0 is per-tensor current
     scaling, a positive ``history`` is delayed scaling from that many past steps' amax
-    (:mod:`autocast._src.fp8.history`). ``amp`` takes a recipe as its ``compute_dtype``."""
+    (:mod:`autocast._src.fp8.history`); and how finely the ``dot_general`` operands are
+    scaled (:data:`SCALINGS`). ``amp`` takes a recipe as its ``compute_dtype``."""
 
     forward: np.dtype
     gradient: np.dtype
     batched_products: bool = False
     history: int = 0
+    scaling: str = "tensor"
 
 
 # One recipe per forward format.
 RECIPES: dict[np.dtype, Recipe] = {f: Recipe(f, g) for f, g in GRADIENT_FORMAT.items()}
 DEFAULT_RECIPE = RECIPES[np.dtype(jnp.float8_e4m3fn)]
+_E4M3 = np.dtype(jnp.float8_e4m3fn)
+# A scale per row keeps the hybrid formats. With a scale per 32 elements, e4m3's range is
+# ample for gradients too: e4m3 everywhere, as the MX recipes of Transformer Engine and of
+# jax.nn.scaled_dot_general default to.
+FINER_RECIPES: dict[str, Recipe] = {
+    "fp8_rowwise": Recipe(_E4M3, GRADIENT_FORMAT[_E4M3], scaling="row"),
+    "mxfp8": Recipe(_E4M3, _E4M3, scaling="block"),
+}
+
+
+def _pairs_formats(recipe: Recipe) -> bool:
+    """Whether ``recipe``'s forward and gradient formats are a pair some recipe uses."""
+    if recipe.scaling == "block":
+        return recipe.forward == recipe.gradient == _E4M3
+    return GRADIENT_FORMAT.get(recipe.forward) == recipe.gradient
+
+
+def _available(recipe: Recipe) -> Recipe:
+    """``recipe``, refused where the installed JAX cannot bind its products."""
+    if recipe.scaling == "block" and not hasattr(jax.lax, "scaled_dot"):
+        raise ValueError(
+            f"compute_dtype 'mxfp8' binds jax.lax.scaled_dot, which JAX {jax.__version__} "
+            "does not have; upgrade JAX, or use compute_dtype='fp8_rowwise' or 'fp8'"
+        )
+    return recipe
 
 
 def recipe_for(compute_dtype: Any) -> Recipe | None:
     """The recipe ``compute_dtype`` asks for, or None when it is not a float8 type.
 
     ``"fp8"``, ``"float8"`` and ``float8_e4m3fn`` give e4m3 forward and e5m2 gradients;
+    ``"fp8_rowwise"`` the same formats with a scale per row, ``"mxfp8"`` e4m3 throughout with
+    a scale per 32 elements (:mod:`autocast._src.fp8.finer_scaling`);
     ``float8_e5m2`` gives e5m2 for both (which ``amp`` refuses on an NVIDIA GPU, see
     :func:`float8_refusal`); the ``fnuz`` variants likewise with their own pair.
     Anything that is no floating dtype at all is refused as ``amp`` refuses it.
     """
     if isinstance(compute_dtype, Recipe):
-        if GRADIENT_FORMAT.get(compute_dtype.forward) != compute_dtype.gradient:
+        if compute_dtype.scaling not in SCALINGS:
+            raise ValueError(
+                f"{compute_dtype}: scaling {compute_dtype.scaling!r} is none of {SCALINGS}"
+            )
+        if not _pairs_formats(compute_dtype):
             raise ValueError(f"{compute_dtype} pairs formats no recipe pairs; accepted: {ACCEPTED}")
         if compute_dtype.history:
             raise ValueError(
                 f"{compute_dtype}: delayed scaling takes its histories as an argument; use "
                 "autocast.amp_fp8_delayed"
             )
-        return compute_dtype
-    if isinstance(compute_dtype, str) and compute_dtype.strip().lower() in _NAMES:
-        return DEFAULT_RECIPE
+        return _available(compute_dtype)
+    if isinstance(compute_dtype, str):
+        name = compute_dtype.strip().lower().replace("-", "_")
+        if name in _NAMES:
+            return DEFAULT_RECIPE
+        if name in FINER_RECIPES:
+            return _available(FINER_RECIPES[name])
     dtype = canonicalize_float_dtype(compute_dtype, what="compute_dtype")
     if dtype.itemsize != 1:
         return None
@@ -111,24 +165,6 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
             "GPU's FP8 products)"
         )
     return recipe
-
-
-_TINY = float(jnp.finfo(_F32).tiny)
-
-
-# float32's bit fields: an exponent of 8 bits above 23 of mantissa.
-_MANTISSA = (1 << MANTISSA_BITS) - 1
-_EXPONENT_FIELD = 0xFF << MANTISSA_BITS
-
-
-def power_of_two_at_or_above(v: Any) -> Any:
-    """The smallest power of two at or above each positive float32 ``v`` (an infinity or
-    NaN as it is), read off its bits: any mantissa bit carries into the exponent. Bit
-    arithmetic, not ``frexp``, so that XLA has a few scalar operations to fuse and not a
-    chain of kernels."""
-    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-    up = jax.lax.bitcast_convert_type((bits + _MANTISSA) & _EXPONENT_FIELD, _F32)
-    return jnp.where(jnp.isnan(v), v, up)
 
 
 def _scale(x: Any, top: float) -> Any:
@@ -142,7 +178,7 @@ def _scale(x: Any, top: float) -> Any:
     magnitude lands in ``(top / 2, top]``, not on ``top``. An empty tensor's amax is 0. A
     non-finite amax gives a non-finite scale on purpose: an overflow in the step must reach
     the loss scaler's check, not be clipped into range."""
-    return power_of_two_at_or_above(jnp.maximum(amax(x) / top, _TINY))
+    return power_of_two_at_or_above(jnp.maximum(amax(x) / top, TINY))
 
 
 def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
@@ -207,31 +243,6 @@ def _transposed(prim: Any, frozen: tuple, a: Any, b: Any, which: int) -> Any:
 _cached_transposed = functools.lru_cache(maxsize=512)(_transposed)
 
 
-def _memo(cached: Callable[..., Any], build: Callable[..., Any], *key: Any) -> Any:
-    """``cached(*key)``, or ``build(*key)`` when a parameter in ``key`` cannot be hashed."""
-    try:
-        return cached(*key)
-    except TypeError:
-        return build(*key)
-
-
-@jax.custom_jvp
-def _first_derivative_only(values: tuple) -> tuple:
-    """The identity on the backward pass's inputs, refusing to be differentiated: through
-    the float8 residuals, a second derivative would be rounded to float8 without a scale."""
-    return values
-
-
-@_first_derivative_only.defjvp
-def _refuse(primals: tuple, tangents: tuple) -> tuple:
-    raise TypeError(
-        "autocast's float8 products have first derivatives only (jax.grad, jax.vjp); a "
-        "second derivative (jax.hessian, grad of grad, a Hessian-vector product) would pass "
-        "through float8 values without a scale. Use compute_dtype=jnp.bfloat16 for it, or "
-        "keep the products concerned out of float8 with a named scope in amp_policy"
-    )
-
-
 # How a scaled float8 product is written for XLA; benchmarks/gpu_plan.py shows what XLA's GPU
 # compiler makes of each. "direct": the product of the float8 operands, written by the GEMM in
 # the result's dtype (bfloat16) and multiplied by one scalar, the product of the two scales.
@@ -271,14 +282,6 @@ def _raised(sg: Any, sa: Any, sb: Any) -> Any:
     return jnp.maximum(sg, two_to(jnp.maximum(lowest, _LOWEST_EXPONENT)))
 
 
-def _gemm_dtype(out_dtype: Any) -> np.dtype:
-    """What a float8 GEMM writes for a product wanted in ``out_dtype``: that dtype itself
-    where it is bfloat16 or float32, so that no pass over the result follows the GEMM;
-    float32 for float16, whose range the unscaled sums (448**2 a term in e4m3) overflow."""
-    out = np.dtype(out_dtype)
-    return out if out in (CARRIER, _F32) else _F32
-
-
 def _settled(*scales: Any) -> tuple:
     """``scales`` (float32 scalars) computed before anything reads them, so that XLA makes
     them in one small kernel. A Triton GEMM fusion takes float arithmetic into its epilogue
@@ -312,7 +315,7 @@ def scaled_product(
     into the GEMM, and then the scaling (planned for GPT-2 medium: every layer's weight
     gradient; scaled before the transposition, their GEMMs wrote the transposed layout and
     kept the scaling out)."""
-    wide = _gemm_dtype(out_dtype)
+    wide = gemm_dtype(out_dtype)
     if _GEMM_FORM == "dequantised":
         dequantised = lambda q, s: q.astype(CARRIER) * s.astype(CARRIER)  # noqa: E731
         # without the barrier XLA computes a backward product's dequantised operand once with
@@ -334,18 +337,9 @@ def _rounded(x: Any, fmt: Any, scale: Any) -> Any:
     return jnp.clip(x.astype(_F32) / scale, -top, top).astype(fmt)
 
 
-# The backward products' precision. A float8 GEMM on Hopper with the default precision
-# accumulates with fewer bits than float32 ("fast accumulation"): on an H200, 1024 products
-# of 448 x 448 summed to 1012 x 448**2, where HIGHEST gave the exact 1024 x 448**2 for 14%
-# more time on an 8192x1024x4096 GEMM. The backward products contract over the tokens
-# (thousands of terms), so they take the exact sums, as Transformer Engine's do; the forward
-# products keep the fast ones, as Transformer Engine's forward does.
-_EXACT_SUMS = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
-
-
 def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any, dtype: Any) -> Any:
     """Evaluates a transpose jaxpr on float8 operands. Its products write ``dtype`` and sum
-    exactly (:data:`_EXACT_SUMS`); for one that needs equal operand dtypes, both go to
+    exactly (:data:`EXACT_SUMS`); for one that needs equal operand dtypes, both go to
     ``same_dtype``. The rest of the jaxpr only moves data (``rev``, ``transpose``) and follows
     its inputs' dtypes."""
     env = dict(zip(closed.jaxpr.invars, args))
@@ -355,7 +349,7 @@ def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any, dtype: Any) -> 
         invals = [read(v) for v in eqn.invars]
         params = dict(eqn.params)
         if eqn.primitive.name in PRODUCTS:
-            params = {**params, "preferred_element_type": dtype, "precision": _EXACT_SUMS}
+            params = {**params, "preferred_element_type": dtype, "precision": EXACT_SUMS}
             if eqn.primitive.name in _SAME_OPERAND_DTYPES and invals[0].dtype.itemsize == 1:
                 invals = [x.astype(same_dtype) for x in invals]
         outs = _compat.bind_equation(eqn, invals, params)
@@ -374,8 +368,8 @@ def _operand_gradients(
     ``joints``, ``(sg * sb, sa * sg)``, and returned in the operands' dtypes ``dtypes``."""
     (qa, sa, qb, sb), (qg, sg, (to_a_joint, to_b_joint)) = kept, gradient
     a, b = _compat.abstract_like(qa, _F32), _compat.abstract_like(qb, _F32)
-    to_a = _memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
-    to_b = _memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
+    to_a = memo(_cached_transposed, _transposed, prim, wide, a, b, 0)
+    to_b = memo(_cached_transposed, _transposed, prim, wide, a, b, 1)
     to_da = lambda g, b, dt: _evaluate(to_a, [g, b], recipe.gradient, dt)  # noqa: E731
     to_db = lambda a, g, dt: _evaluate(to_b, [a, g], recipe.gradient, dt)  # noqa: E731
     da = scaled_product(to_da, qg, sg, qb, sb, dtypes[0], to_a_joint)
@@ -409,7 +403,7 @@ def _product(
         return out, (qa, sa, qb, sb)
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
-        (qa, sa, qb, sb), g = _first_derivative_only((residuals, g))
+        (qa, sa, qb, sb), g = first_derivative_only((residuals, g))
         sg, joints = _gradient_scales(_scale(g, float(jnp.finfo(recipe.gradient).max)), sa, sb)
         qg = _rounded(g, recipe.gradient, sg)
         kept = (qa, sa, qb, sb)
@@ -465,7 +459,7 @@ def _from_history(history: Any, fmt: Any) -> Any:
     amax lands at or below 256 in e4m3 (32768 in e5m2), not 448 (57344)."""
     top = jnp.max(history)
     fmax = float(jnp.finfo(np.dtype(fmt)).max)
-    scale = power_of_two_at_or_above(jnp.maximum(top / fmax, _TINY))
+    scale = power_of_two_at_or_above(jnp.maximum(top / fmax, TINY))
     return jnp.where(top > 0, scale, 1.0).astype(_F32)
 
 
@@ -504,7 +498,7 @@ def _delayed_product(
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any, Any, Any]:
         *kept, inbox, amax_a, amax_b = residuals  # these only feed the inbox
-        (qa, sa, qb, sb, history), g = _first_derivative_only((tuple(kept), g))
+        (qa, sa, qb, sb, history), g = first_derivative_only((tuple(kept), g))
         sg, joints = _gradient_scales(scale(g, history, 2, recipe.gradient), sa, sb)
         qg = quantise_with(g, recipe.gradient, sg)
         kept = (qa, sa, qb, sb)
@@ -641,6 +635,12 @@ def _pays_in_float8(eqn: Any, recipe: Recipe, parameters: Sequence[bool] = ()) -
 
 
 def _binding(recipe: Recipe) -> Callable[..., Any]:
+    # What a finer-scaled recipe's other products run: one scale per tensor, with "fp8"'s
+    # formats (e4m3 gradients under one scale for a whole tensor would lose e5m2's range).
+    per_tensor = dataclasses.replace(
+        recipe, gradient=GRADIENT_FORMAT[recipe.forward], scaling="tensor"
+    )
+
     def bind(
         eqn: Any, invars: Sequence[Any], params: dict, ctx: Any, parameters: Sequence[bool] = ()
     ) -> Any:
@@ -654,7 +654,7 @@ def _binding(recipe: Recipe) -> Callable[..., Any]:
         out_dtype = params.get("preferred_element_type")
         if out_dtype is None:  # a convolution's default: its operands' dtype
             out_dtype = jnp.result_type(a, b)
-        key = (eqn.primitive, _frozen(params), recipe, (a.dtype, b.dtype), np.dtype(out_dtype))
+        key = (eqn.primitive, _frozen(params), per_tensor, (a.dtype, b.dtype), np.dtype(out_dtype))
         # Delayed scaling where the caller threads histories and this product is in the
         # program itself (not inside a loop, a branch or a re-traced call, see
         # autocast._src.fp8.history); current scaling elsewhere.
@@ -665,10 +665,16 @@ def _binding(recipe: Recipe) -> Callable[..., Any]:
         taken = None if slots is None else slots.take((3, recipe.history))
         if not _pays_in_float8(eqn, recipe, parameters):
             return _compat.bind_equation(eqn, invars, params)
+        if recipe.scaling != "tensor":
+            finer = eqn.primitive.name == "dot_general" and finer_scaling.product_for(
+                recipe, params, a, b, out_dtype
+            )
+            if finer:
+                return finer(a, b)
         if taken is None or not any(taken.measured):
-            return _memo(_cached_product, _product, *key)(a, b)
+            return memo(_cached_product, _product, *key)(a, b)
         rows = tuple(taken.measured)
-        delayed = _memo(_cached_delayed_product, _delayed_product, *key, slots.measuring, rows)
+        delayed = memo(_cached_delayed_product, _delayed_product, *key, slots.measuring, rows)
         return delayed(a, b, taken.history, taken.inbox)
 
     return bind
@@ -729,8 +735,9 @@ def _another_rule(recipe: Recipe) -> PrecisionFn:
 
     batched = ", batched products" if recipe.batched_products else ""
     delayed = f", history {recipe.history}" if recipe.history else ""
+    scaled = "" if recipe.scaling == "tensor" else f", {recipe.scaling}wise scales"
     rule.__name__ = rule.__qualname__ = (
-        f"use_fp8_precision({recipe.forward.name}{batched}{delayed})"
+        f"use_fp8_precision({recipe.forward.name}{batched}{delayed}{scaled})"
     )
     return rule
 
@@ -753,15 +760,16 @@ def rule_of(recipe: Recipe) -> PrecisionFn:
 _NVIDIA_FLOAT8 = (8, 9)
 # e5m2 x e5m2: every product of ``compute_dtype=jnp.float8_e5m2``, forward and backward.
 _E5M2 = np.dtype(jnp.float8_e5m2)
+# NVIDIA's block-scaled (MX) GEMMs start with Blackwell.
+_NVIDIA_BLOCK_SCALED = (10, 0)
 
 
 def float8_refusal(recipe: Recipe, target: Target) -> str | None:
     """Why ``recipe``'s products cannot run as float8 products on ``target``, or None where
     they can, or where the device is not known to lack them (a CPU converts every float8
     product, so its numerics can be studied there; an AMD GPU is not checked)."""
-    asked = f"compute_dtype {recipe.forward.name}" + (
-        " (the 'fp8' recipe)" if recipe == DEFAULT_RECIPE else ""
-    )
+    named = {DEFAULT_RECIPE: "fp8", **{r: n for n, r in FINER_RECIPES.items()}}.get(recipe)
+    asked = f"compute_dtype {recipe.forward.name}" + (f" (the {named!r} recipe)" if named else "")
     if target.multiplies(recipe.forward) is False:
         return (
             f"{asked} on a {target.kind}: its matrix units multiply bfloat16, not float8 (the "
@@ -780,6 +788,16 @@ def float8_refusal(recipe: Recipe, target: Target) -> str | None:
             "Hopper), so XLA would widen each float8 operand and multiply in 16 bits. Use "
             "compute_dtype=jnp.bfloat16"
             + (" (amp's default there)" if capability >= (8, 0) else " or jnp.float16")
+        )
+    if recipe.scaling == "block" and capability < _NVIDIA_BLOCK_SCALED:
+        # XLA decomposes a scaled_dot it has no block-scaled GEMM for: both operands
+        # dequantised to the output's 16 bits, then a 16-bit GEMM
+        return (
+            f"{asked} on an {target.kind} (compute capability {target.capability}): it has "
+            "no block-scaled float8 GEMMs (NVIDIA's start at compute capability 10.0, "
+            "Blackwell), so XLA would dequantise each operand and multiply in bfloat16. Use "
+            "compute_dtype='fp8' (a scale per tensor) or 'fp8_rowwise' (a scale per row): "
+            "each product a float8 GEMM here"
         )
     if recipe.forward == recipe.gradient == _E5M2:
         # cuBLASLt multiplies e4m3 by e4m3 or by e5m2 but not e5m2 by e5m2: XLA gives such a

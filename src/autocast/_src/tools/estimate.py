@@ -24,7 +24,10 @@ from autocast._src.tools import plan, xla_program
 # figures for the SXM parts: H100 and H200 are the same chip and differ in memory, whose
 # bandwidth their device descriptions hold (autocast.plan's GPU targets).
 _HOPPER = {"f8": 1979e12, "16-bit": 989.4e12, "tf32": 494.7e12, "f32": 66.9e12}
-PEAKS: dict[str, dict[str, float]] = {"h100": _HOPPER, "h200": _HOPPER}
+# B200 (HGX), dense: half of NVIDIA's figures with sparsity. Block-scaled MXFP8 GEMMs run at
+# the f8 rate. No B200 step has been measured: the fitted constants below are Hopper's.
+_BLACKWELL = {"f8": 4500e12, "16-bit": 2250e12, "tf32": 1100e12, "f32": 75e12}
+PEAKS: dict[str, dict[str, float]] = {"h100": _HOPPER, "h200": _HOPPER, "b200": _BLACKWELL}
 
 
 # The fraction of the tensor cores' peak the matrix kernels reach, and the time each launch

@@ -18,8 +18,9 @@ from autocast._src.jaxprs import equations
 from autocast._src.tree import is_floating_dtype
 
 _REMAT_NAMES = frozenset({"remat2", "checkpoint"})
+# scaled_dot: a block-scaled float8 product (compute_dtype="mxfp8")
 MATMUL_NAMES = frozenset(
-    {"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
+    {"dot_general", "scaled_dot", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
 )
 
 
@@ -28,7 +29,7 @@ def matmul_flops(eqn: Any) -> int:
     out = eqn.outvars[0].aval
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     name = eqn.primitive.name
-    if name == "dot_general":
+    if name in ("dot_general", "scaled_dot"):
         (contract_lhs, _), _ = eqn.params["dimension_numbers"]
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract_lhs)
     if name == "conv_general_dilated":
@@ -106,9 +107,18 @@ def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
     return float(cost["bytes accessed"])
 
 
+# Float8 types that hold scales (MXFP8's power-of-two exponents), not quantised tensors.
+_SCALE_TYPES = frozenset({"float8_e8m0fnu"})
+
+
 def float8_casts(jaxpr: Any) -> int:
-    """Conversions to a float8 type: one per tensor quantised, each a pass over it."""
-    return sum(eqn.outvars[0].aval.dtype.itemsize == 1 for eqn in float_casts(jaxpr))
+    """Conversions to a float8 type: one per tensor quantised, each a pass over it (a block
+    scale's conversion to ``float8_e8m0fnu`` is none)."""
+    return sum(
+        eqn.outvars[0].aval.dtype.itemsize == 1
+        and eqn.outvars[0].aval.dtype.name not in _SCALE_TYPES
+        for eqn in float_casts(jaxpr)
+    )
 
 
 def _levels(jaxpr: Any) -> Iterator[Any]:

@@ -36,7 +36,7 @@ _TPUS = {
     "v6e": ("v6e", "2x2", 32),
 }
 # A GPU target -> its device description (public figures; device_memory_size is the memory).
-_GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
+_GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb", "b200": "b200.txtpb"}
 _TARGETS = [f"tpu-{chip}[:TOPOLOGY]" for chip in _TPUS] + [f"gpu-{gpu}" for gpu in _GPUS] + ["cpu"]
 
 
@@ -149,10 +149,10 @@ def plan(
         are read; nothing is allocated on the target).
       target: ``"tpu-v5e"`` (one chip), ``"tpu-v5e:4x4"`` (a topology of 16 chips; v4,
         v5e, v5p and v6e, in multiples of a host's 2x2(x1) chips), ``"gpu-h100"``,
-        ``"gpu-h200"`` (one GPU, from a description of public figures) or ``"cpu"`` (this
-        machine). A TPU needs libtpu (``pip install "jax[tpu]"`` of the installed JAX's
-        version), a GPU the CUDA plugin (``pip install "jax[cuda12]"``); start the process with
-        ``JAX_PLATFORMS=cpu`` where there is no TPU or GPU.
+        ``"gpu-h200"``, ``"gpu-b200"`` (one GPU, from a description of public figures) or
+        ``"cpu"`` (this machine). A TPU needs libtpu (``pip install "jax[tpu]"`` of the
+        installed JAX's version), a GPU the CUDA plugin (``pip install "jax[cuda12]"``);
+        start the process with ``JAX_PLATFORMS=cpu`` where there is no TPU or GPU.
       mesh: the mesh's axis names and sizes, their product the target's chips
         (``{"data": 4, "model": 4}``); default one axis ``"data"`` over every chip.
       shardings: one entry per argument of ``args``: a ``jax.sharding.PartitionSpec`` for the

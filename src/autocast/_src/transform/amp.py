@@ -533,7 +533,8 @@ def amp(
 
     A float8 ``compute_dtype`` (``jnp.float8_e4m3fn``, ``"fp8"``, ``jnp.float8_e5m2``) runs
     the matrix products in float8 with per-tensor scaling and everything else in bfloat16
-    (:func:`autocast.use_fp8_precision`; docs/fp8.md).
+    (:func:`autocast.use_fp8_precision`; docs/fp8.md); ``"fp8_rowwise"`` scales them per
+    row and ``"mxfp8"`` per 32 contracted elements (docs/fp8.md, "Finer scales").
 
     ``amp_policy`` maps ``jax.named_scope`` names and primitives to precision functions; the
     outermost matching scope wins, then the primitive, then the key ``"amp_default"``. A
@@ -547,9 +548,10 @@ def amp(
         compute_dtype: The dtype of matrix products and convolutions: a floating dtype
             (``jnp.bfloat16``, ``jnp.float16``) or a name :func:`autocast.parse_dtype`
             accepts (``"bf16"``), or a float8 recipe: ``"fp8"`` or ``"float8"`` (both
-            ``jnp.float8_e4m3fn``), ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2`` or their
-            ``fnuz`` variants. ``None`` (the default) means :func:`autocast.half_dtype`,
-            resolved at the first call rather than when ``amp`` is applied.
+            ``jnp.float8_e4m3fn``), ``"fp8_rowwise"``, ``"mxfp8"``, ``jnp.float8_e4m3fn``,
+            ``jnp.float8_e5m2`` or their ``fnuz`` variants. ``None`` (the default) means
+            :func:`autocast.half_dtype`, resolved at the first call rather than when ``amp``
+            is applied.
         amp_policy: A mapping from named-scope strings and JAX primitives (such as
             ``jax.lax.exp_p``) to precision functions
             ``f(compute_dtype, original_dtypes, *invars, **bind_params)``. ``None`` (the

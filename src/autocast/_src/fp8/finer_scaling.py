@@ -1,0 +1,167 @@
+"""Float8 products with more than one scale per tensor.
+
+- ``compute_dtype="fp8_rowwise"``: a scale per row of each operand along what the product
+  contracts, so each output element is rescaled by its row's scale times its column's. An
+  activation row a hundred times larger than the rest (an outlier token) then costs only its
+  own row its precision, not the whole tensor's.
+- ``compute_dtype="mxfp8"``: the OCP microscaling format, a power-of-two scale
+  (``float8_e8m0fnu``) per 32 contracted elements, bound as ``jax.lax.scaled_dot``, which
+  XLA gives to the block-scaled GEMMs of NVIDIA's Blackwell GPUs and decomposes (dequantise,
+  then a 16-bit product) anywhere else.
+
+Both run on one canonical form of a ``dot_general``: each operand laid out ``(batch, free,
+contraction)`` as a 3-D array (JAX's transposes and reshapes, differentiated by JAX), so the
+scales always run along the last axis. The backward products contract over other axes (the
+output's columns for the input's gradient, its rows for the weight's), and a scale must
+run along what its product contracts, so they quantise the operands afresh from the values
+the forward pass kept: the residuals are the operands as they came (bfloat16 under amp), not
+float8 codes. That is the price of the finer scales in memory; ``"fp8"`` keeps float8 codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autocast._src.fp8 import numerics
+
+# The elements one scale of MXFP8 covers (the OCP microscaling specification's block).
+BLOCK = 32
+_SCALE_FORMAT = np.dtype(jnp.float8_e8m0fnu)
+# What every product of the canonical form contracts: the last axes, batched over the first.
+_CANONICAL = (((2,), (2,)), ((0,), (0,)))
+
+# jax.lax.scaled_dot arrived after the oldest JAX this package supports.
+SCALED_DOT = getattr(jax.lax, "scaled_dot", None)
+
+
+def _quantised(x: Any, fmt: np.dtype, block: int | None) -> tuple[Any, Any]:
+    """``x`` (``(..., k)``) in ``fmt`` with a power-of-two scale per ``block`` elements of its
+    last axis, or per whole last axis where ``block`` is None: ``(codes, scales)`` with
+    ``scales`` of shape ``(..., k // block)``. The scale of a block is the power of two at or
+    above its amax over the format's largest value, as the per-tensor recipe's is."""
+    top = float(jnp.finfo(fmt).max)
+    k = x.shape[-1]
+    size = k if block is None else block
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], k // size, size)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    scale = numerics.power_of_two_at_or_above(jnp.maximum(amax / top, numerics.TINY))
+    codes = jnp.clip(blocks / scale, -top, top).astype(fmt).reshape(x.shape)
+    return codes, scale[..., 0]
+
+
+def _rowwise_product(x: Any, y: Any, fmts: tuple, out_dtype: Any, exact: bool) -> Any:
+    """``x @ y`` contracted over the last axes (``(b, m, k)`` by ``(b, n, k)``), each row
+    of each operand quantised with its own scale; the float8 product accumulates in float32,
+    written in the GEMM's dtype, and the output is multiplied by its row's and its
+    column's scale (powers of two: exact while the results are normal numbers)."""
+    (qx, sx), (qy, sy) = _quantised(x, fmts[0], None), _quantised(y, fmts[1], None)
+    wide = numerics.gemm_dtype(out_dtype)
+    precision = numerics.EXACT_SUMS if exact else None
+    out = jax.lax.dot_general(qx, qy, _CANONICAL, precision=precision, preferred_element_type=wide)
+    return (out * sx.astype(wide) * jnp.swapaxes(sy, 1, 2).astype(wide)).astype(out_dtype)
+
+
+def _block_product(x: Any, y: Any, fmts: tuple, out_dtype: Any, exact: bool) -> Any:
+    """``x @ y`` as :func:`_rowwise_product`, with a ``float8_e8m0fnu`` scale per
+    :data:`BLOCK` contracted elements, through ``jax.lax.scaled_dot``."""
+    del exact  # scaled_dot takes no precision: the block-scaled GEMMs sum in float32
+    (qx, sx), (qy, sy) = _quantised(x, fmts[0], BLOCK), _quantised(y, fmts[1], BLOCK)
+    wide = numerics.gemm_dtype(out_dtype)
+    out = SCALED_DOT(
+        qx,
+        qy,
+        lhs_scale=sx.astype(_SCALE_FORMAT),
+        rhs_scale=sy.astype(_SCALE_FORMAT),
+        dimension_numbers=_CANONICAL,
+        preferred_element_type=wide,
+    )
+    return out.astype(out_dtype)
+
+
+_PRODUCTS: dict[str, Callable[..., Any]] = {"row": _rowwise_product, "block": _block_product}
+
+
+def _canonical_product(recipe: Any, out_dtype: Any) -> Callable[[Any, Any], Any]:
+    """The finer-scaled product of canonical operands ``a (b, m, k)`` and ``b (b, n, k)``,
+    ``(b, m, n)`` in ``out_dtype``, with its custom derivative: the output gradient in the
+    recipe's gradient format against each operand quantised afresh along what the backward
+    product contracts."""
+    multiply = _PRODUCTS[recipe.scaling]
+    forward_formats = (recipe.forward, recipe.forward)
+    gradient_formats = (recipe.gradient, recipe.forward)
+    swap = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731
+
+    def forward(a: Any, b: Any) -> tuple[Any, Any]:
+        # refused here already under a second derivative: jax.lax.scaled_dot has no
+        # derivative of its own to report instead
+        a, b = numerics.first_derivative_only((a, b))
+        return multiply(a, b, forward_formats, out_dtype, False), (a, b)
+
+    def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
+        (a, b), g = numerics.first_derivative_only((residuals, g))
+        # da (b, m, k) = g (b, m, n) . b (b, n, k), contracted over n
+        da = multiply(g, swap(b), gradient_formats, a.dtype, True)
+        # db (b, n, k) = g (b, m, n) . a (b, m, k), contracted over m
+        db = multiply(swap(g), swap(a), gradient_formats, b.dtype, True)
+        return da, db
+
+    product = jax.custom_vjp(lambda a, b: forward(a, b)[0])
+    product.defvjp(forward, backward)
+    return product
+
+
+_cached_canonical = functools.lru_cache(maxsize=256)(_canonical_product)
+
+
+def _layout(shape: tuple, contracting: tuple, batch: tuple) -> tuple[tuple, tuple]:
+    """(the permutation to ``batch, free, contracting``, the free dimensions)."""
+    free = tuple(d for d in range(len(shape)) if d not in (*contracting, *batch))
+    return (*batch, *free, *contracting), free
+
+
+def _sizes(shape: tuple, dims: tuple) -> int:
+    return math.prod(shape[d] for d in dims)
+
+
+def product_for(
+    recipe: Any, params: dict, a: Any, b: Any, out_dtype: Any
+) -> Callable[[Any, Any], Any] | None:
+    """The finer-scaled ``dot_general`` of ``a`` and ``b`` with ``params`` under ``recipe``
+    (``(a, b) -> output``), or None where it does not apply and the product takes one scale
+    per tensor instead:
+
+    - under an explicit mesh (the product names an ``out_sharding``): the canonical form
+      reshapes the operands, which a sharded dimension may not survive;
+    - for MXFP8, where a dimension a product of the step contracts is no multiple of
+      :data:`BLOCK`: the forward product contracts the contraction, the backward ones the
+      rows (tokens) and the columns (outputs).
+    """
+    if params.get("out_sharding") is not None:
+        return None
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    a_order, a_free = _layout(a.shape, lc, lb)
+    b_order, b_free = _layout(b.shape, rc, rb)
+    batch, k = _sizes(a.shape, lb), _sizes(a.shape, lc)
+    m, n = _sizes(a.shape, a_free), _sizes(b.shape, b_free)
+    if recipe.scaling == "block" and any(size % BLOCK for size in (m, n, k)):
+        return None
+    out_shape = (
+        *(a.shape[d] for d in lb),
+        *(a.shape[d] for d in a_free),
+        *(b.shape[d] for d in b_free),
+    )
+    product = numerics.memo(_cached_canonical, _canonical_product, recipe, np.dtype(out_dtype))
+
+    def run(x: Any, y: Any) -> Any:
+        x3 = jnp.transpose(x, a_order).reshape(batch, m, k)
+        y3 = jnp.transpose(y, b_order).reshape(batch, n, k)
+        return product(x3, y3).reshape(out_shape)
+
+    return run

@@ -1,0 +1,262 @@
+"""Float8 with finer scales than one per tensor: ``compute_dtype="fp8_rowwise"`` (a scale per
+row of each operand) and ``compute_dtype="mxfp8"`` (a power-of-two scale per 32 contracted
+elements, bound as ``jax.lax.scaled_dot``); read off jaxprs and checked against float32."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import eqns_named
+from hypothesis import given, settings
+
+import autocast
+from autocast._src.fp8 import products as fp8
+from autocast._src.policy.target import Target
+
+HAS_SCALED_DOT = hasattr(jax.lax, "scaled_dot")
+needs_scaled_dot = pytest.mark.skipif(
+    not HAS_SCALED_DOT, reason="this JAX has no jax.lax.scaled_dot (mxfp8 is refused)"
+)
+FINER = ["fp8_rowwise", pytest.param("mxfp8", marks=needs_scaled_dot)]
+H100 = Target("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+B200 = Target("gpu", "NVIDIA B200", "10.0")
+
+
+def _error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _operands(m=64, k=128, n=96, seed=0):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    return jax.random.normal(kx, (m, k)), jax.random.normal(kw, (k, n)) / np.sqrt(k)
+
+
+def _product(x, w):
+    return x @ w
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_an_outlier_row_costs_only_its_own_row_its_precision(compute_dtype):
+    # one token 2**20 times the others: one scale for the tensor puts the other rows below
+    # e4m3's smallest subnormal, and they come out zero; a scale per row keeps them
+    x, w = _operands()
+    x = x.at[0].multiply(2.0**20)
+    want = x @ w
+    per_tensor = jax.jit(autocast.amp(_product, compute_dtype="fp8"))(x, w)
+    finer = jax.jit(autocast.amp(_product, compute_dtype=compute_dtype))(x, w)
+    assert _error(per_tensor[1:], want[1:]) > 0.5
+    assert _error(finer[1:], want[1:]) < 0.06
+    assert _error(finer[:1], want[:1]) < 0.06
+
+    # and the weight's gradient, whose product contracts over the rows
+    loss = lambda w, x: jnp.sum(jnp.sin(x[1:] @ w)) + jnp.sum(x[:1] @ w) * 2.0**-20  # noqa: E731
+    want_grad = jax.grad(loss)(w, x)
+    got = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=compute_dtype)))(w, x)
+    assert _error(got, want_grad) < 0.1
+
+
+@needs_scaled_dot
+def test_mxfp8_scales_each_block_of_32_on_its_own():
+    # x @ I returns x as it was quantised (the identity's codes are exact): beside one
+    # element 2**20 times its row, rowwise scaling flushes the row's other elements, and
+    # MXFP8 loses only the other 31 of its block
+    x, _ = _operands(m=32, k=128)
+    x = x.at[1, 0].set(2.0**20)
+    eye = jnp.eye(128)
+    rowwise = jax.jit(autocast.amp(_product, compute_dtype="fp8_rowwise"))(x, eye)
+    blocks = jax.jit(autocast.amp(_product, compute_dtype="mxfp8"))(x, eye)
+    rest = np.s_[1, 32:]
+    assert _error(rowwise[rest], x[rest]) > 0.5
+    assert _error(blocks[rest], x[rest]) < 2.0**-4
+    assert float(blocks[1, 0]) == 2.0**20
+    # every other row within e4m3's rounding
+    assert _error(blocks[2:], x[2:]) < 2.0**-4
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+@settings(max_examples=15, deadline=None)
+@given(exponents=st.lists(st.integers(-40, 40), min_size=32, max_size=32))
+def test_scaling_a_row_by_a_power_of_two_scales_its_result_exactly(compute_dtype, exponents):
+    # the invariant of a scale per row: each output row depends on its own input row alone
+    x, w = _operands(m=32, k=64, n=32, seed=1)
+    f = jax.jit(autocast.amp(_product, compute_dtype=compute_dtype))
+    factors = jnp.asarray(2.0 ** np.asarray(exponents, np.float64), jnp.float32)[:, None]
+    np.testing.assert_array_equal(np.asarray(f(x * factors, w)), np.asarray(f(x, w) * factors))
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_what_runs_in_float8_forward_and_backward(compute_dtype):
+    x, w = _operands()
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+    amp_loss = autocast.amp(loss, compute_dtype=compute_dtype)
+    jaxpr = jax.make_jaxpr(jax.grad(amp_loss))(w, x)
+    name = "scaled_dot" if compute_dtype == "mxfp8" else "dot_general"
+    products = eqns_named(jaxpr, name)
+    assert len(products) == 3  # the forward product and the two gradients
+    operand_formats = [tuple(v.aval.dtype.name for v in e.invars[:2]) for e in products]
+    if compute_dtype == "mxfp8":
+        assert set(operand_formats) == {("float8_e4m3fn", "float8_e4m3fn")}
+        scales = {v.aval.dtype.name for e in products for v in e.invars[2:]}
+        assert scales == {"float8_e8m0fnu"}
+        # one scale per 32 contracted elements
+        assert [e.invars[2].aval.shape[-1] * 32 for e in products] == [
+            e.invars[0].aval.shape[-1] for e in products
+        ]
+    else:
+        assert operand_formats[0] == ("float8_e4m3fn", "float8_e4m3fn")
+        assert {"float8_e5m2"} <= {d for pair in operand_formats[1:] for d in pair}
+    summary = autocast.report(loss, compute_dtype=compute_dtype)(w, x).summary
+    assert summary["fp8_flop_share"] == {"forward": 1.0, "backward": 1.0}
+
+
+@needs_scaled_dot
+def test_mxfp8_takes_one_scale_per_tensor_where_a_size_is_no_multiple_of_32():
+    # 48 contracted inputs: no whole blocks, so the product is the per-tensor one
+    x, w = _operands(m=64, k=48, n=64)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda w, x: jnp.sum(autocast.amp(_product, compute_dtype="mxfp8")(x, w)))
+    )(w, x)
+    assert not eqns_named(jaxpr, "scaled_dot")
+    dots = [
+        tuple(v.aval.dtype.itemsize for v in e.invars) for e in eqns_named(jaxpr, "dot_general")
+    ]
+    assert dots and set(dots) == {(1, 1)}
+    gradients = {v.aval.dtype.name for e in eqns_named(jaxpr, "dot_general") for v in e.invars}
+    assert "float8_e5m2" in gradients  # "fp8"'s formats with "fp8"'s scaling
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+@pytest.mark.parametrize(
+    "spec, x_shape, w_shape",
+    [
+        ("btd,dn->btn", (4, 16, 64), (64, 96)),  # two free dimensions (batch, tokens)
+        ("btd,dhk->bthk", (2, 32, 64), (64, 4, 32)),  # the weight's outputs in two
+        ("bi,oi->bo", (64, 128), (96, 128)),  # contracted on the last of both
+    ],
+)
+def test_each_layout_matches_float32(compute_dtype, spec, x_shape, w_shape):
+    kx, kw = jax.random.split(jax.random.PRNGKey(2))
+    x = jax.random.normal(kx, x_shape)
+    w = jax.random.normal(kw, w_shape) / np.sqrt(x_shape[-1])
+    product = lambda w, x: jnp.einsum(spec, x, w)  # noqa: E731
+    got = jax.jit(autocast.amp(product, compute_dtype=compute_dtype))(w, x)
+    assert _error(got, product(w, x)) < 0.06
+    loss = lambda w, x: jnp.sum(jnp.sin(product(w, x)))  # noqa: E731
+    grads = jax.grad(loss, argnums=(0, 1))(w, x)
+    got_grads = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=compute_dtype), argnums=(0, 1)))(
+        w, x
+    )
+    for got, want in zip(got_grads, grads):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert _error(got, want) < 0.1
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_equinox_layers_under_vmap_and_a_scan_over_layers(compute_dtype):
+    # Equinox's per-example weight @ x, batched by vmap, and filter_grad over the module
+    model = eqx.nn.MLP(64, 32, 128, depth=2, key=jax.random.PRNGKey(3))
+    x = jax.random.normal(jax.random.PRNGKey(4), (64, 64))
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    want = eqx.filter_grad(loss)(model, x)
+    grad = eqx.filter_grad(autocast.amp(loss, compute_dtype=compute_dtype))
+    got = eqx.filter_jit(grad)(model, x)
+    per_tensor = eqx.filter_jit(eqx.filter_grad(autocast.amp(loss, compute_dtype="fp8")))(model, x)
+    leaves = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))  # noqa: E731
+    for g, p, r in zip(leaves(got), leaves(per_tensor), jax.tree.leaves(want)):
+        # a power-of-two scale per row rounds as one per tensor wherever the tensor's range
+        # fits e4m3's normal numbers (as these layers' do): no worse, and within fp8's error
+        assert _error(g, r) <= 1.05 * _error(p, r) + 1e-3 and _error(g, r) < 0.25
+    # and the finer scales ran: amaxes per row or block, not one per tensor
+    jaxpr, *_ = eqx.filter_make_jaxpr(grad)(model, x)
+    assert any(e.outvars[0].aval.size > 1 for e in eqns_named(jaxpr, "reduce_max"))
+
+    # layers stacked and scanned over
+    ws = jax.random.normal(jax.random.PRNGKey(5), (3, 64, 64)) / 8
+
+    def scanned(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(h**2)
+
+    want = jax.grad(scanned)(ws, x)
+    amp_scanned = autocast.amp(scanned, compute_dtype=compute_dtype)
+    assert _error(jax.jit(jax.grad(amp_scanned))(ws, x), want) < 0.1
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_convolutions_keep_one_scale_per_tensor(compute_dtype):
+    x = jax.random.normal(jax.random.PRNGKey(6), (8, 16, 16, 32))
+    k = jax.random.normal(jax.random.PRNGKey(7), (3, 3, 32, 32)) / 24
+
+    def loss(k, x):
+        y = jax.lax.conv_general_dilated(
+            x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jnp.sum(y**2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(autocast.amp(loss, compute_dtype=compute_dtype)))(k, x)
+    convs = eqns_named(jaxpr, "conv_general_dilated")
+    assert convs and all(v.aval.dtype.itemsize == 1 for e in convs for v in e.invars)
+    # as "fp8" runs them: e5m2 output gradients, whose range one scale per tensor needs
+    assert any(v.aval.dtype == jnp.float8_e5m2 for e in convs for v in e.invars)
+    assert (
+        _error(
+            jax.jit(jax.grad(autocast.amp(loss, compute_dtype=compute_dtype)))(k, x),
+            jax.grad(loss)(k, x),
+        )
+        < 0.1
+    )
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_second_derivatives_are_refused(compute_dtype):
+    x, w = _operands(m=32, k=32, n=32)
+    loss = autocast.amp(lambda w: jnp.sum((x @ w) ** 2), compute_dtype=compute_dtype)
+    with pytest.raises(TypeError, match="first derivatives only"):
+        jax.hessian(loss)(w)
+
+
+def test_an_overflow_reaches_the_output():
+    # an inf in an operand must reach the loss scaler's check, not be clipped into range
+    x, w = _operands(m=32, k=64, n=32)
+    for compute_dtype in ["fp8_rowwise"] + (["mxfp8"] if HAS_SCALED_DOT else []):
+        out = autocast.amp(_product, compute_dtype=compute_dtype)(x.at[3, 5].set(jnp.inf), w)
+        assert not np.all(np.isfinite(np.asarray(out[3])))
+        assert np.all(np.isfinite(np.asarray(out[4:])))
+
+
+def test_mxfp8_is_refused_where_no_block_scaled_gemm_runs_it():
+    mx, rows = fp8.FINER_RECIPES["mxfp8"], fp8.FINER_RECIPES["fp8_rowwise"]
+    why = fp8.float8_refusal(mx, H100)
+    assert "block-scaled" in why and "compute_dtype='fp8'" in why and "'mxfp8'" in why
+    assert fp8.float8_refusal(mx, B200) is None
+    assert fp8.float8_refusal(rows, H100) is None
+    assert "no float8 GEMMs" in fp8.float8_refusal(
+        rows, Target("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
+    )
+    tpu = Target("tpu", "TPU v5 lite")
+    assert "bfloat16" in fp8.float8_refusal(mx, tpu) and "bfloat16" in fp8.float8_refusal(rows, tpu)
+
+
+def test_the_names_and_what_a_wrong_one_is_told():
+    assert fp8.recipe_for("FP8-rowwise") == fp8.FINER_RECIPES["fp8_rowwise"]
+    with pytest.raises(ValueError, match="fp8_rowwise.*mxfp8"):
+        autocast.amp(_product, compute_dtype="fp8_colwise")
+    bad = fp8.Recipe(fp8.FINER_RECIPES["mxfp8"].forward, np.dtype(jnp.float8_e5m2), scaling="block")
+    with pytest.raises(ValueError, match="pairs formats"):
+        fp8.recipe_for(bad)
+    with pytest.raises(ValueError, match="scaling 'column'"):
+        fp8.recipe_for(fp8.Recipe(bad.forward, bad.forward, scaling="column"))
+
+
+@pytest.mark.skipif(HAS_SCALED_DOT, reason="this JAX has jax.lax.scaled_dot")
+def test_mxfp8_without_scaled_dot_is_refused_by_name():
+    with pytest.raises(ValueError, match="jax.lax.scaled_dot.*fp8_rowwise"):
+        autocast.amp(_product, compute_dtype="mxfp8")
