@@ -260,3 +260,27 @@ def test_the_names_and_what_a_wrong_one_is_told():
 def test_mxfp8_without_scaled_dot_is_refused_by_name():
     with pytest.raises(ValueError, match="jax.lax.scaled_dot.*fp8_rowwise"):
         autocast.amp(_product, compute_dtype="mxfp8")
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_a_checkpointed_scan_under_jax_upgrade_flags(compute_dtype):
+    flags = [f for f in ("jax_custom_vjp3", "jax_remat3") if hasattr(jax.config, f)]
+    if not flags:
+        pytest.skip(f"JAX {jax.__version__} has neither jax_custom_vjp3 nor jax_remat3")
+    ws = jax.random.normal(jax.random.PRNGKey(5), (3, 64, 64)) / 8
+    x = jax.random.normal(jax.random.PRNGKey(4), (64, 64))
+
+    def scanned(ws, x):
+        body = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None))
+        return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    want = jax.grad(scanned)(ws, x)
+    before = {f: getattr(jax.config, f) for f in flags}
+    try:
+        for f in flags:
+            jax.config.update(f, True)
+        got = jax.jit(jax.grad(autocast.amp(scanned, compute_dtype=compute_dtype)))(ws, x)
+    finally:
+        for f, v in before.items():
+            jax.config.update(f, v)
+    assert _error(got, want) < 0.1

@@ -98,10 +98,10 @@ def _canonical_product(recipe: Any, out_dtype: Any) -> Callable[[Any, Any], Any]
     swap = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731
 
     def forward(a: Any, b: Any) -> tuple[Any, Any]:
-        # refused here already under a second derivative: jax.lax.scaled_dot has no
-        # derivative of its own to report instead
-        a, b = numerics.first_derivative_only((a, b))
-        return multiply(a, b, forward_formats, out_dtype, False), (a, b)
+        # jax.lax.scaled_dot has no derivative of its own: a second derivative reaches the
+        # residuals instead, where the backward pass's guard refuses it
+        x, y = jax.lax.stop_gradient((a, b))
+        return multiply(x, y, forward_formats, out_dtype, False), (a, b)
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
         (a, b), g = numerics.first_derivative_only((residuals, g))
