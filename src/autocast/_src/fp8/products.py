@@ -68,11 +68,6 @@ _NAMES = ("fp8", "float8")
 # product contracts), or per block of 32 contracted elements (MXFP8). Convolutions take one
 # scale per tensor in every recipe.
 SCALINGS = ("tensor", "row", "block")
-# The finer-scaled recipes by name (made below, once Recipe exists).
-_FINER_NAMES = ("fp8_rowwise", "mxfp8")
-ACCEPTED = ", ".join(
-    [*(repr(n) for n in (*_NAMES, *_FINER_NAMES)), *(d.name for d in GRADIENT_FORMAT)]
-)
 
 # The products the recipe scales, and those of them whose operands must share one dtype
 # (JAX refuses a convolution of e5m2 by e4m3; a dot_general takes them).
@@ -107,6 +102,9 @@ FINER_RECIPES: dict[str, Recipe] = {
     "fp8_rowwise": Recipe(_E4M3, GRADIENT_FORMAT[_E4M3], scaling="row"),
     "mxfp8": Recipe(_E4M3, _E4M3, scaling="block"),
 }
+ACCEPTED = ", ".join(
+    [*(repr(n) for n in (*_NAMES, *FINER_RECIPES)), *(d.name for d in GRADIENT_FORMAT)]
+)
 
 
 def _pairs_formats(recipe: Recipe) -> bool:
@@ -118,7 +116,7 @@ def _pairs_formats(recipe: Recipe) -> bool:
 
 def _available(recipe: Recipe) -> Recipe:
     """``recipe``, refused where the installed JAX cannot bind its products."""
-    if recipe.scaling == "block" and not hasattr(jax.lax, "scaled_dot"):
+    if recipe.scaling == "block" and finer_scaling.SCALED_DOT is None:
         raise ValueError(
             f"compute_dtype 'mxfp8' binds jax.lax.scaled_dot, which JAX {jax.__version__} "
             "does not have; upgrade JAX, or use compute_dtype='fp8_rowwise' or 'fp8'"
