@@ -134,6 +134,24 @@ def test_the_time_estimate_is_the_roofline_with_an_efficiency_and_a_launch_cost(
     )
     with pytest.raises(ValueError, match="h100, h200"):
         estimate.step_time(_Kernels(fusion), "a100")
+    # a B200: its own peaks and memory (8 TB/s), Hopper's fitted constants
+    b200 = estimate.step_time(_Kernels(gemm, fusion), "b200")
+    assert b200.matrix_seconds == pytest.approx(2 * 10**12 / 4500e12)
+    assert b200.memory_seconds == pytest.approx(3.35e9 / 8e12)
+
+
+@pytest.mark.slow
+@needs_gpu_plan_venv
+def test_mxfp8_plans_as_float8_gemms_for_a_b200_and_is_refused_for_an_h100(tmp_path):
+    rows = "GPT-2 small/amp mxfp8/fused;GPT-2 small/amp fp8 rowwise/fused"
+    plans, _ = gpu_plans(tmp_path, "--tiny", "--devices", "B200", "--rows", rows)
+    for variant in ("amp mxfp8", "amp fp8 rowwise"):
+        gemms = plans[f"GPT-2 small / {variant} / fused / B200 / Triton GEMM on"]["gemms"]
+        # every GEMM of the step multiplies float8 (attention's products are cuDNN's)
+        assert gemms and all(g["detail"].startswith("f8") for g in gemms)
+    # an H100 has no block-scaled GEMMs: refused, naming what runs there
+    with pytest.raises(AssertionError, match="no block-scaled float8 GEMMs"):
+        gpu_plans(tmp_path, "--tiny", "--devices", "H100", "--rows", rows.split(";")[0])
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ float8 codes. That is the price of the finer scales in memory; ``"fp8"`` keeps f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autocast import _compat
 from autocast._src.fp8 import numerics
 
 # The elements one scale of MXFP8 covers (the OCP microscaling specification's block).
@@ -64,7 +66,10 @@ def _rowwise_product(x: Any, y: Any, fmts: tuple, out_dtype: Any, exact: bool) -
     wide = numerics.gemm_dtype(out_dtype)
     precision = numerics.EXACT_SUMS if exact else None
     out = jax.lax.dot_general(qx, qy, _CANONICAL, precision=precision, preferred_element_type=wide)
-    return (out * sx.astype(wide) * jnp.swapaxes(sy, 1, 2).astype(wide)).astype(out_dtype)
+    # both scales at once, in float32: multiplied one after the other in bfloat16, a large
+    # row scale could overflow a result that the column's scale brings back into range
+    joint = sx * jnp.swapaxes(sy, 1, 2)
+    return (out.astype(np.float32) * joint).astype(out_dtype)
 
 
 def _block_product(x: Any, y: Any, fmts: tuple, out_dtype: Any, exact: bool) -> Any:
@@ -87,39 +92,70 @@ def _block_product(x: Any, y: Any, fmts: tuple, out_dtype: Any, exact: bool) -> 
 _PRODUCTS: dict[str, Callable[..., Any]] = {"row": _rowwise_product, "block": _block_product}
 
 
-def _canonical_product(recipe: Any, out_dtype: Any) -> Callable[[Any, Any], Any]:
-    """The finer-scaled product of canonical operands ``a (b, m, k)`` and ``b (b, n, k)``,
-    ``(b, m, n)`` in ``out_dtype``, with its custom derivative: the output gradient in the
-    recipe's gradient format against each operand quantised afresh along what the backward
-    product contracts."""
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How one ``dot_general``'s operands become the canonical ``(batch, rows, contraction)``
+    arrays and back: each operand's permutation and shape, and the output's shape."""
+
+    a_order: tuple
+    b_order: tuple
+    a_shape: tuple
+    b_shape: tuple
+    sizes: tuple  # (batch, m, n, k)
+    out_shape: tuple
+
+    def canonical(self, a: Any, b: Any) -> tuple[Any, Any]:
+        batch, m, n, k = self.sizes
+        a3 = jnp.transpose(a, self.a_order).reshape(batch, m, k)
+        return a3, jnp.transpose(b, self.b_order).reshape(batch, n, k)
+
+    def back(self, x3: Any, order: tuple, shape: tuple) -> Any:
+        """A canonical operand's gradient in the operand's own layout."""
+        laid = x3.reshape(tuple(shape[d] for d in order))
+        return jnp.transpose(laid, tuple(np.argsort(order)))
+
+
+def _finer_product(recipe: Any, out_dtype: Any, layout: _Layout) -> Callable[[Any, Any], Any]:
+    """The finer-scaled ``dot_general`` of operands laid out as ``layout`` says, in
+    ``out_dtype``, with its custom derivative: the output gradient in the recipe's gradient
+    format against each operand quantised afresh along what the backward product contracts.
+    The layout's transposes and reshapes are inside, so the call is the product's one
+    equation (``autocast.diagnose`` reads its dtype off it)."""
     multiply = _PRODUCTS[recipe.scaling]
     forward_formats = (recipe.forward, recipe.forward)
     gradient_formats = (recipe.gradient, recipe.forward)
     swap = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731
+    batch, m, n, _ = layout.sizes
 
     def forward(a: Any, b: Any) -> tuple[Any, Any]:
+        a3, b3 = layout.canonical(a, b)
         # jax.lax.scaled_dot has no derivative of its own: a second derivative reaches the
         # residuals instead, where the backward pass's guard refuses it
-        x, y = jax.lax.stop_gradient((a, b))
-        return multiply(x, y, forward_formats, out_dtype, False), (a, b)
+        x, y = jax.lax.stop_gradient((a3, b3))
+        out = multiply(x, y, forward_formats, out_dtype, False)
+        return out.reshape(layout.out_shape), (a3, b3)
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
-        (a, b), g = numerics.first_derivative_only((residuals, g))
+        (a3, b3), g = numerics.first_derivative_only((residuals, g))
+        g3 = g.reshape(batch, m, n)
         # da (b, m, k) = g (b, m, n) . b (b, n, k), contracted over n
-        da = multiply(g, swap(b), gradient_formats, a.dtype, True)
+        da = multiply(g3, swap(b3), gradient_formats, a3.dtype, True)
         # db (b, n, k) = g (b, m, n) . a (b, m, k), contracted over m
-        db = multiply(swap(g), swap(a), gradient_formats, b.dtype, True)
-        return da, db
+        db = multiply(swap(g3), swap(a3), gradient_formats, b3.dtype, True)
+        return (
+            layout.back(da, layout.a_order, layout.a_shape),
+            layout.back(db, layout.b_order, layout.b_shape),
+        )
 
     product = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     product.defvjp(forward, backward)
     return product
 
 
-_cached_canonical = functools.lru_cache(maxsize=256)(_canonical_product)
+_cached_finer = functools.lru_cache(maxsize=256)(_finer_product)
 
 
-def _layout(shape: tuple, contracting: tuple, batch: tuple) -> tuple[tuple, tuple]:
+def _order(shape: tuple, contracting: tuple, batch: tuple) -> tuple[tuple, tuple]:
     """(the permutation to ``batch, free, contracting``, the free dimensions)."""
     free = tuple(d for d in range(len(shape)) if d not in (*contracting, *batch))
     return (*batch, *free, *contracting), free
@@ -129,6 +165,15 @@ def _sizes(shape: tuple, dims: tuple) -> int:
     return math.prod(shape[d] for d in dims)
 
 
+_EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+
+
+def _explicitly_sharded(x: Any) -> bool:
+    """Whether ``x``'s type carries a mesh of explicit axes (``jax.set_mesh``)."""
+    mesh = getattr(getattr(_compat.aval_of(x), "sharding", None), "mesh", None)
+    return _EXPLICIT is not None and _EXPLICIT in tuple(getattr(mesh, "axis_types", ()) or ())
+
+
 def product_for(
     recipe: Any, params: dict, a: Any, b: Any, out_dtype: Any
 ) -> Callable[[Any, Any], Any] | None:
@@ -136,18 +181,22 @@ def product_for(
     (``(a, b) -> output``), or None where it does not apply and the product takes one scale
     per tensor instead:
 
-    - under an explicit mesh (the product names an ``out_sharding``): the canonical form
-      reshapes the operands, which a sharded dimension may not survive;
-    - for MXFP8, where a dimension a product of the step contracts is no multiple of
-      :data:`BLOCK`: the forward product contracts the contraction, the backward ones the
-      rows (tokens) and the columns (outputs).
+    - under a mesh of explicit axes: the canonical form transposes and reshapes the
+      operands, and a sharded dimension may not survive that (a batch split over devices
+      merged with the tokens);
+    - for MXFP8, inside ``shard_map`` (``jax.lax.scaled_dot`` drops the axes its operands
+      vary over, which the custom derivative must keep), and where a size a product of the
+      step contracts is no multiple of :data:`BLOCK`: the forward product contracts the
+      contraction, the backward ones the rows (tokens) and the columns (outputs).
     """
-    if params.get("out_sharding") is not None:
+    if _explicitly_sharded(a) or _explicitly_sharded(b):
+        return None
+    if recipe.scaling == "block" and (_compat.varying_axes(a) or _compat.varying_axes(b)):
         return None
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
-    a_order, a_free = _layout(a.shape, lc, lb)
-    b_order, b_free = _layout(b.shape, rc, rb)
+    a_order, a_free = _order(a.shape, lc, lb)
+    b_order, b_free = _order(b.shape, rc, rb)
     batch, k = _sizes(a.shape, lb), _sizes(a.shape, lc)
     m, n = _sizes(a.shape, a_free), _sizes(b.shape, b_free)
     if recipe.scaling == "block" and any(size % BLOCK for size in (m, n, k)):
@@ -157,11 +206,5 @@ def product_for(
         *(a.shape[d] for d in a_free),
         *(b.shape[d] for d in b_free),
     )
-    product = numerics.memo(_cached_canonical, _canonical_product, recipe, np.dtype(out_dtype))
-
-    def run(x: Any, y: Any) -> Any:
-        x3 = jnp.transpose(x, a_order).reshape(batch, m, k)
-        y3 = jnp.transpose(y, b_order).reshape(batch, n, k)
-        return product(x3, y3).reshape(out_shape)
-
-    return run
+    layout = _Layout(a_order, b_order, tuple(a.shape), tuple(b.shape), (batch, m, n, k), out_shape)
+    return numerics.memo(_cached_finer, _finer_product, recipe, np.dtype(out_dtype), layout)

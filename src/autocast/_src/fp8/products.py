@@ -140,7 +140,12 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
                 f"{compute_dtype}: scaling {compute_dtype.scaling!r} is none of {SCALINGS}"
             )
         if not _pairs_formats(compute_dtype):
-            raise ValueError(f"{compute_dtype} pairs formats no recipe pairs; accepted: {ACCEPTED}")
+            needs = (
+                "a block-scaled recipe takes float8_e4m3fn for both"
+                if compute_dtype.scaling == "block"
+                else f"accepted: {ACCEPTED}"
+            )
+            raise ValueError(f"{compute_dtype} pairs formats no recipe pairs; {needs}")
         if compute_dtype.history:
             raise ValueError(
                 f"{compute_dtype}: delayed scaling takes its histories as an argument; use "

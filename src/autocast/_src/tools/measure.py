@@ -108,7 +108,7 @@ def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
 
 
 # Float8 types that hold scales (MXFP8's power-of-two exponents), not quantised tensors.
-_SCALE_TYPES = frozenset({"float8_e8m0fnu"})
+SCALE_TYPES = frozenset({"float8_e8m0fnu"})
 
 
 def float8_casts(jaxpr: Any) -> int:
@@ -116,7 +116,7 @@ def float8_casts(jaxpr: Any) -> int:
     scale's conversion to ``float8_e8m0fnu`` is none)."""
     return sum(
         eqn.outvars[0].aval.dtype.itemsize == 1
-        and eqn.outvars[0].aval.dtype.name not in _SCALE_TYPES
+        and eqn.outvars[0].aval.dtype.name not in SCALE_TYPES
         for eqn in float_casts(jaxpr)
     )
 

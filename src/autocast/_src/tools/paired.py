@@ -27,6 +27,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from autocast import _compat
+from autocast._src.tools.measure import SCALE_TYPES
 from autocast._src.tree import is_floating_dtype
 
 PREFIX = "autocast.diagnose/"
@@ -301,14 +302,17 @@ def _ran_in(ins: list[Value], outs: list[Any]) -> tuple[str, ...]:
 
 
 def _narrowest(jaxpr: Any) -> tuple[str, ...]:
-    """The narrowest floating dtype the equations of ``jaxpr`` take (none if none)."""
+    """The narrowest floating dtype the equations of ``jaxpr`` take (none if none); a block
+    scale's ``float8_e8m0fnu`` is no dtype values are computed in."""
     dtypes = {
         np.dtype(v.aval.dtype)
         for eqn in jaxpr.eqns
         for v in eqn.invars
-        if hasattr(v.aval, "dtype") and is_floating_dtype(v.aval.dtype)
+        if hasattr(v.aval, "dtype")
+        and is_floating_dtype(v.aval.dtype)
+        and np.dtype(v.aval.dtype).name not in SCALE_TYPES
     }
-    return (min(dtypes, key=lambda d: d.itemsize).name,) if dtypes else ()
+    return (min(dtypes, key=lambda d: (d.itemsize, d.name)).name,) if dtypes else ()
 
 
 # --- the higher-order equations amp's program holds ----------------------------------------

@@ -201,6 +201,9 @@ class _Settings:
                 None if compute_dtype is None else fp8.recipe_for(compute_dtype)
             )
         except (TypeError, ValueError) as e:
+            # a message that already names what to use keeps to it
+            if "accepted:" in str(e) or "use compute_dtype=" in str(e):
+                raise
             raise type(e)(f"{e}; accepted for float8 matrix products: {fp8.ACCEPTED}") from None
         # A float8 compute dtype is a recipe: scaled float8 matrix products, and
         # bfloat16 for everything else.
