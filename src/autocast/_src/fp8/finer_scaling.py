@@ -47,14 +47,12 @@ def _quantised(x: Any, fmt: np.dtype, block: int | None) -> tuple[Any, Any]:
     last axis, or per whole last axis where ``block`` is None: ``(codes, scales)`` with
     ``scales`` of shape ``(..., k // block)``. The scale of a block is the power of two at or
     above its amax over the format's largest value, as the per-tensor recipe's is."""
-    top = float(jnp.finfo(fmt).max)
     k = x.shape[-1]
     size = k if block is None else block
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], k // size, size)
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    scale = numerics.power_of_two_at_or_above(jnp.maximum(amax / top, numerics.TINY))
-    codes = jnp.clip(blocks / scale, -top, top).astype(fmt).reshape(x.shape)
-    return codes, scale[..., 0]
+    scale = numerics.scale_for(amax, float(jnp.finfo(fmt).max))
+    return numerics.rounded(blocks, fmt, scale).reshape(x.shape), scale[..., 0]
 
 
 def _rowwise_product(x: Any, y: Any, fmts: tuple, out_dtype: Any, exact: bool) -> Any:

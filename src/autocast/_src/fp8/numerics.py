@@ -76,3 +76,17 @@ def gemm_dtype(out_dtype: Any) -> np.dtype:
 # (thousands of terms), so they take the exact sums, as Transformer Engine's do; the forward
 # products keep the fast ones, as Transformer Engine's forward does.
 EXACT_SUMS = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
+def scale_for(amax: Any, top: float) -> Any:
+    """The power-of-two scale for values of largest magnitude ``amax`` (any shape: one per
+    tensor, row or block) in a format whose largest value is ``top``: the power of two at or
+    above ``amax / top``, never below float32's smallest normal number (a subnormal scale
+    would flush to zero and divide zeros into NaN)."""
+    return power_of_two_at_or_above(jnp.maximum(amax / top, TINY))
+
+
+def rounded(x: Any, fmt: Any, scale: Any) -> Any:
+    """``x / scale`` rounded to the float8 format ``fmt``, saturating at its largest value."""
+    top = float(jnp.finfo(np.dtype(fmt)).max)
+    return jnp.clip(x.astype(_F32) / scale, -top, top).astype(fmt)

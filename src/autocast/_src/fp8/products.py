@@ -34,11 +34,11 @@ from autocast._src.fp8 import finer_scaling
 from autocast._src.fp8.numerics import (
     CARRIER,
     EXACT_SUMS,
-    TINY,
     first_derivative_only,
     gemm_dtype,
     memo,
-    power_of_two_at_or_above,
+    rounded,
+    scale_for,
 )
 from autocast._src.policy.casting import castable
 from autocast._src.policy.dtypes import canonicalize_float_dtype
@@ -93,8 +93,8 @@ class Recipe:
 
 # One recipe per forward format.
 RECIPES: dict[np.dtype, Recipe] = {f: Recipe(f, g) for f, g in GRADIENT_FORMAT.items()}
-DEFAULT_RECIPE = RECIPES[np.dtype(jnp.float8_e4m3fn)]
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
+DEFAULT_RECIPE = RECIPES[_E4M3]
 # A scale per row keeps the hybrid formats. With a scale per 32 elements, e4m3's range is
 # ample for gradients too: e4m3 everywhere, as the MX recipes of Transformer Engine and of
 # jax.nn.scaled_dot_general default to.
@@ -105,6 +105,9 @@ FINER_RECIPES: dict[str, Recipe] = {
 ACCEPTED = ", ".join(
     [*(repr(n) for n in (*_NAMES, *FINER_RECIPES)), *(d.name for d in GRADIENT_FORMAT)]
 )
+_FOR_FLOAT8 = f"accepted for float8 matrix products: {ACCEPTED}"
+# A named recipe -> its name, for the refusals.
+_RECIPE_NAMES = {DEFAULT_RECIPE: "fp8", **{r: n for n, r in FINER_RECIPES.items()}}
 
 
 def _pairs_formats(recipe: Recipe) -> bool:
@@ -158,14 +161,17 @@ def recipe_for(compute_dtype: Any) -> Recipe | None:
             return DEFAULT_RECIPE
         if name in FINER_RECIPES:
             return _available(FINER_RECIPES[name])
-    dtype = canonicalize_float_dtype(compute_dtype, what="compute_dtype")
+    try:
+        dtype = canonicalize_float_dtype(compute_dtype, what="compute_dtype")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e}; {_FOR_FLOAT8}") from None
     if dtype.itemsize != 1:
         return None
     recipe = RECIPES.get(dtype)
     if recipe is None:
         raise ValueError(
             f"compute_dtype {dtype.name} has no float8 recipe (its range or encoding suits no "
-            "GPU's FP8 products)"
+            f"GPU's FP8 products); {_FOR_FLOAT8}"
         )
     return recipe
 
@@ -181,7 +187,7 @@ def _scale(x: Any, top: float) -> Any:
     magnitude lands in ``(top / 2, top]``, not on ``top``. An empty tensor's amax is 0. A
     non-finite amax gives a non-finite scale on purpose: an overflow in the step must reach
     the loss scaler's check, not be clipped into range."""
-    return power_of_two_at_or_above(jnp.maximum(amax(x) / top, TINY))
+    return scale_for(amax(x), top)
 
 
 def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
@@ -198,7 +204,7 @@ def quantise(x: Any, fmt: Any) -> tuple[Any, Any]:
     fmt = np.dtype(fmt)
     top = float(jnp.finfo(fmt).max)
     s = _scale(x, top)
-    return _rounded(x, fmt, s), s
+    return rounded(x, fmt, s), s
 
 
 def quantise_with(x: Any, fmt: Any, scale: Any) -> Any:
@@ -334,12 +340,6 @@ def _writing(prim: Any, params: Mapping[str, Any]) -> Callable[..., Any]:
     return lambda a, b, dtype: prim.bind(a, b, **{**params, "preferred_element_type": dtype})
 
 
-def _rounded(x: Any, fmt: Any, scale: Any) -> Any:
-    """``x / scale`` rounded to the float8 format ``fmt``, saturating at its largest value."""
-    top = float(jnp.finfo(np.dtype(fmt)).max)
-    return jnp.clip(x.astype(_F32) / scale, -top, top).astype(fmt)
-
-
 def _evaluate(closed: Any, args: Sequence[Any], same_dtype: Any, dtype: Any) -> Any:
     """Evaluates a transpose jaxpr on float8 operands. Its products write ``dtype`` and sum
     exactly (:data:`EXACT_SUMS`); for one that needs equal operand dtypes, both go to
@@ -401,14 +401,14 @@ def _product(
     def forward(a: Any, b: Any) -> tuple[Any, Any]:
         sa, sb = _balanced(_scale(a, top), _scale(b, top))
         sa, sb, joint = _settled(sa, sb, sa * sb)
-        qa, qb = _rounded(a, recipe.forward, sa), _rounded(b, recipe.forward, sb)
+        qa, qb = rounded(a, recipe.forward, sa), rounded(b, recipe.forward, sb)
         out = scaled_product(_writing(prim, params), qa, sa, qb, sb, out_dtype, joint)
         return out, (qa, sa, qb, sb)
 
     def backward(residuals: tuple, g: Any) -> tuple[Any, Any]:
         (qa, sa, qb, sb), g = first_derivative_only((residuals, g))
         sg, joints = _gradient_scales(_scale(g, float(jnp.finfo(recipe.gradient).max)), sa, sb)
-        qg = _rounded(g, recipe.gradient, sg)
+        qg = rounded(g, recipe.gradient, sg)
         kept = (qa, sa, qb, sb)
         return _operand_gradients(prim, wide, recipe, dtypes, kept, (qg, sg, joints))
 
@@ -462,7 +462,7 @@ def _from_history(history: Any, fmt: Any) -> Any:
     amax lands at or below 256 in e4m3 (32768 in e5m2), not 448 (57344)."""
     top = jnp.max(history)
     fmax = float(jnp.finfo(np.dtype(fmt)).max)
-    scale = power_of_two_at_or_above(jnp.maximum(top / fmax, TINY))
+    scale = scale_for(top, fmax)
     return jnp.where(top > 0, scale, 1.0).astype(_F32)
 
 
@@ -771,7 +771,7 @@ def float8_refusal(recipe: Recipe, target: Target) -> str | None:
     """Why ``recipe``'s products cannot run as float8 products on ``target``, or None where
     they can, or where the device is not known to lack them (a CPU converts every float8
     product, so its numerics can be studied there; an AMD GPU is not checked)."""
-    named = {DEFAULT_RECIPE: "fp8", **{r: n for n, r in FINER_RECIPES.items()}}.get(recipe)
+    named = _RECIPE_NAMES.get(recipe)
     asked = f"compute_dtype {recipe.forward.name}" + (f" (the {named!r} recipe)" if named else "")
     if target.multiplies(recipe.forward) is False:
         return (

@@ -196,15 +196,10 @@ class _Settings:
 
     def __init__(self, compute_dtype: Any, amp_policy: Any, delayed: Any) -> None:
         policy = default_amp_policy if amp_policy is None else _check_policy(amp_policy)
-        try:
-            self.fp8_recipe = delayed or (
-                None if compute_dtype is None else fp8.recipe_for(compute_dtype)
-            )
-        except (TypeError, ValueError) as e:
-            # a message that already names what to use keeps to it
-            if "accepted:" in str(e) or "use compute_dtype=" in str(e):
-                raise
-            raise type(e)(f"{e}; accepted for float8 matrix products: {fp8.ACCEPTED}") from None
+        # recipe_for's errors name what it accepts
+        self.fp8_recipe = delayed or (
+            None if compute_dtype is None else fp8.recipe_for(compute_dtype)
+        )
         # A float8 compute dtype is a recipe: scaled float8 matrix products, and
         # bfloat16 for everything else.
         if self.fp8_recipe is not None:
