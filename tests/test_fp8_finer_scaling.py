@@ -345,3 +345,70 @@ def test_inside_shard_map(compute_dtype):
     got = jax.jit(jax.grad(sharded, (0, 1)))(w, x)
     want = jax.grad(loss, (0, 1))(w, x)
     assert _error(got[0], want[0]) < 0.1 and _error(got[1], want[1]) < 0.1
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_an_equinox_training_step_with_donation_tree_at_and_a_small_last_batch(compute_dtype):
+    import optax
+
+    model = eqx.nn.MLP(64, 32, 128, depth=2, key=jax.random.PRNGKey(8))
+    # a weight replaced the Equinox way, as a user loading or surgery would
+    model = eqx.tree_at(lambda m: m.layers[0].weight, model, model.layers[0].weight * 0.5)
+    optimizer = optax.sgd(1e-2)
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    def make_step(loss_fn):
+        @eqx.filter_jit(donate="all")
+        def step(model, state, x):
+            value, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
+            updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state, value
+
+        return step
+
+    amp_step, ref_step = make_step(autocast.amp(loss, compute_dtype=compute_dtype)), make_step(loss)
+    leaves = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))  # noqa: E731
+    # full batches of 64, then a last batch of 3 (no multiple of 32: mxfp8 scales per tensor)
+    batches = [jax.random.normal(jax.random.PRNGKey(9 + i), (64, 64)) for i in range(2)]
+    batches.append(jax.random.normal(jax.random.PRNGKey(11), (3, 64)))
+    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, t)  # noqa: E731
+    ours, theirs = copy(model), copy(model)
+    ours_state = optimizer.init(eqx.filter(ours, eqx.is_array))
+    theirs_state = optimizer.init(eqx.filter(theirs, eqx.is_array))
+    for x in batches:
+        ours, ours_state, value = amp_step(ours, ours_state, x)
+        theirs, theirs_state, want = ref_step(theirs, theirs_state, x)
+        assert abs(float(value) - float(want)) < 0.05 * abs(float(want))
+    # three SGD steps on both: the parameters moved alike, in their own dtypes
+    for got, ref, start in zip(leaves(ours), leaves(theirs), leaves(model)):
+        assert got.dtype == ref.dtype == jnp.float32
+        assert _error(got - start, ref - start) < 0.2
+
+
+@pytest.mark.parametrize("compute_dtype", FINER)
+def test_an_nnx_optimizer_step(compute_dtype):
+    import inspect
+
+    import optax
+
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(64, 96, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(12), (64, 64))
+    want = nnx.grad(lambda m: jnp.mean(jnp.sin(m(x))))(model)
+    got = nnx.grad(autocast.amp(lambda m: jnp.mean(jnp.sin(m(x))), compute_dtype=compute_dtype))(
+        model
+    )
+    for g, r in zip(jax.tree.leaves(nnx.state(got)), jax.tree.leaves(nnx.state(want))):
+        assert g.dtype == r.dtype and _error(g, r) < 0.1
+    tx = optax.sgd(0.1)
+    kernel = lambda m: np.asarray(nnx.to_pure_dict(nnx.state(m, nnx.Param))["kernel"])  # noqa: E731
+    before = kernel(model)
+    if "model" in inspect.signature(nnx.Optimizer.update).parameters:  # Flax 0.11 and later
+        nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, got)
+    else:  # Flax 0.10: the optimizer holds the model
+        nnx.Optimizer(model, tx).update(got)
+    moved = kernel(model) - before
+    step = -0.1 * np.asarray(nnx.to_pure_dict(got)["kernel"])
+    np.testing.assert_allclose(moved, step, rtol=1e-5, atol=1e-7)
